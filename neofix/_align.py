@@ -1,0 +1,311 @@
+"""The alignment core: one decoding step's shapes in, aligned tensors or a :class:`NeofixError` out.
+
+Pure and version-free: it knows nothing about transformers, caches or wrappers.  The caller (the model-forward
+wrapper, or :class:`neofix.DecodeState`) reads the step, passes the number of cached tokens, and puts the aligned
+tensors back.  The step contract it implements (``b`` batch, ``q`` new tokens, ``p`` cached tokens, ``m`` mask
+columns, ``P`` max_position_embeddings):
+
+* ``m == p + q``: unchanged.  ``m < p + q``: the mask was not extended; repair appends ones (strict: error).
+  ``m > p + q``: ambiguous, always an error.
+* position_ids missing: ``cumsum(mask) - 1`` over the whole mask, last ``q`` columns, pads clamped to 0.
+  Length ``p + q``: the last ``q`` are taken (strict: error).  Any other length: re-derived (strict: error).
+* ``p + q > P``: error before any compute.  Batch mismatches, empty steps, wrong embedding widths: errors.
+* Value checks (token ids; with ``check_values`` also positions of real tokens) need one host-device
+  synchronisation, so they run on prefill and multi-token steps, and on single-token steps only with
+  ``check_values=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ._errors import (
+    BatchMismatchError,
+    InputShapeError,
+    MaskLengthError,
+    PositionError,
+    SequenceTooLongError,
+    TokenIdError,
+    warn_once,
+)
+
+# Repair names, as reported in traces and warnings.
+MASK_EXTENDED = "mask_extended"
+POSITIONS_DERIVED = "positions_derived"  # none were given: normal, not warned
+POSITIONS_SLICED = "positions_sliced"  # full-length positions: the last q taken, not warned
+POSITIONS_REDERIVED = "positions_rederived"
+POSITION_VALUES = "position_values_repaired"
+TOKEN_TYPES_SLICED = "token_type_ids_sliced"
+CACHE_POSITION_DROPPED = "cache_position_dropped"
+
+_FIX_MASK = "append a column of ones per new token (torch.cat([mask, mask.new_ones(batch, new_tokens)], -1))"
+_FIX_POSITIONS = "pass only the new tokens' positions, or none at all and neofix derives them from the mask"
+
+
+class Limits(NamedTuple):
+    """What the model allows: ``config.max_position_embeddings``, ``config.vocab_size``, ``config.hidden_size``."""
+
+    max_positions: int
+    vocab_size: int
+    hidden_size: int
+
+
+class Aligned(NamedTuple):
+    attention_mask: Any
+    position_ids: Any
+    token_type_ids: Any
+    cache_position: Any
+    batch: int
+    new_tokens: int
+    repairs: tuple[str, ...]
+    values_checked: bool
+
+
+def derive_positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Positions of the last ``new_tokens`` columns of a 2D mask: ``cumsum(mask) - 1``, pads clamped to 0."""
+    positions = attention_mask.long().cumsum(-1)[:, -new_tokens:] - 1
+    return positions.clamp_(min=0)
+
+
+def align(
+    *,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    past_length: int | None,
+    cache_batch: int | None,
+    limits: Limits,
+    strict: bool,
+    check_values: bool,
+    token_type_ids: torch.Tensor | None = None,
+    cache_position: torch.Tensor | None = None,
+) -> Aligned | None:
+    """Align one step, or raise :class:`~neofix.NeofixError`.
+
+    ``past_length`` is the number of tokens the cache holds (0 without a cache, ``None`` when it cannot be told
+    without a device synchronisation: length checks are skipped then).  Returns ``None`` when there is nothing to
+    align (neither input_ids nor inputs_embeds: transformers raises its own error).
+    """
+    # -- the new tokens -------------------------------------------------------------------------------------------
+    if input_ids is not None:
+        if input_ids.dim() != 2:
+            raise InputShapeError(
+                f"input_ids has shape {tuple(input_ids.shape)}, but GPT-Neo expects (batch, new_tokens): "
+                f"add the batch dimension (input_ids[None]) or flatten extra ones"
+            )
+        batch, new = input_ids.shape
+    elif inputs_embeds is not None:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != limits.hidden_size:
+            raise InputShapeError(
+                f"inputs_embeds has shape {tuple(inputs_embeds.shape)}, but this model expects "
+                f"(batch, new_tokens, {limits.hidden_size}) (config.hidden_size = {limits.hidden_size})"
+            )
+        batch, new = inputs_embeds.shape[0], inputs_embeds.shape[1]
+    else:
+        return None
+    if new == 0:
+        raise InputShapeError(
+            f"this step feeds no new tokens ({'input_ids' if input_ids is not None else 'inputs_embeds'} has "
+            f"0 columns, batch {batch}): every forward needs at least one token; stop the loop instead"
+        )
+    if cache_batch is not None and cache_batch != batch:
+        raise BatchMismatchError(
+            f"the cache holds {cache_batch} rows, but this step feeds {batch}: the cache, attention_mask and "
+            f"inputs must hold the same rows (reorder or select the cache with the inputs, e.g. after beam search)"
+        )
+
+    repairs: list[str] = []
+    total = None if past_length is None else past_length + new
+    if total is not None and total > limits.max_positions:
+        fit = max(limits.max_positions - past_length, 0)
+        raise SequenceTooLongError(
+            f"this step would reach sequence length {total} (the cache holds {past_length} tokens and the step "
+            f"feeds {new}), but config.max_position_embeddings is {limits.max_positions}: {fit} more new "
+            f"token{'s' if fit != 1 else ''} fit; shorten the prompt or generate fewer tokens"
+        )
+
+    # -- the attention mask ---------------------------------------------------------------------------------------
+    mask = attention_mask
+    if mask is not None:
+        if mask.dim() == 2:
+            if mask.shape[0] != batch:
+                raise BatchMismatchError(
+                    f"attention_mask has {mask.shape[0]} rows, but this step feeds {batch}: "
+                    f"pass one mask row per input row"
+                )
+            columns = mask.shape[1]
+            if total is not None and columns != total:
+                expected = (
+                    f"attention_mask has {columns} columns, but the cache holds {past_length} tokens and this "
+                    f"step feeds {new}: expected {total}"
+                )
+                if columns > total:
+                    raise MaskLengthError(
+                        f"{expected}. A longer mask is ambiguous (which columns belong to the cache?): pass the mask "
+                        f"of exactly the cached plus the new tokens"
+                    )
+                if strict:
+                    raise MaskLengthError(f"{expected}. The mask was not extended for the new tokens: {_FIX_MASK}")
+                mask = torch.cat([mask, mask.new_ones((batch, total - columns))], dim=-1)
+                repairs.append(MASK_EXTENDED)
+                warn_once(
+                    MASK_EXTENDED,
+                    f"neofix: {expected}; extended it with ones on the right (the classic 'mask not extended' "
+                    f"decoding bug). To fix your loop: {_FIX_MASK}. Reported once.",
+                )
+        elif mask.dim() in (3, 4):
+            if mask.shape[0] not in (1, batch):
+                raise BatchMismatchError(
+                    f"the {mask.dim()}D attention_mask has {mask.shape[0]} rows, but this step feeds {batch}"
+                )
+            if mask.shape[-2] != new or (total is not None and mask.shape[-1] != total):
+                keys = "" if total is None else f", {total}"
+                raise MaskLengthError(
+                    f"the {mask.dim()}D attention_mask has shape {tuple(mask.shape)}, but this step needs "
+                    f"(..., {new}{keys}): one row per new token and one column per cached plus new token "
+                    f"(the cache holds {past_length})"
+                )
+        else:
+            raise InputShapeError(
+                f"attention_mask has shape {tuple(mask.shape)}; pass a 2D (batch, cached + new tokens) mask"
+            )
+    mask_2d = mask is not None and mask.dim() == 2
+
+    # -- positions ------------------------------------------------------------------------------------------------
+    positions = position_ids
+    given_positions = positions is not None
+    if positions is not None:
+        if positions.dim() not in (1, 2):
+            raise PositionError(f"position_ids has shape {tuple(positions.shape)}; expected (batch, new_tokens)")
+        rows = positions.shape[0] if positions.dim() == 2 else 1
+        if rows not in (1, batch):
+            raise BatchMismatchError(
+                f"position_ids has {rows} rows, but this step feeds {batch}: pass one row per input row (or one "
+                f"row for all)"
+            )
+        length = positions.shape[-1]
+        if length != new:
+            described = (
+                f"position_ids has {length} columns, but this step feeds {new} new tokens "
+                f"(the cache holds {past_length})"
+            )
+            if strict:
+                raise PositionError(f"{described}: {_FIX_POSITIONS}")
+            if total is not None and length == total:
+                positions = positions[..., -new:]
+                repairs.append(POSITIONS_SLICED)
+            else:
+                positions = None
+                given_positions = False
+                repairs.append(POSITIONS_REDERIVED)
+                warn_once(
+                    POSITIONS_REDERIVED,
+                    f"neofix: {described}; derived them from the attention mask instead (stale prompt positions?). "
+                    f"To fix your loop: {_FIX_POSITIONS}. Reported once.",
+                )
+    if positions is None:
+        if mask_2d:
+            positions = derive_positions(mask, new)
+            repairs.append(POSITIONS_DERIVED)
+        elif POSITIONS_REDERIVED in repairs and past_length is not None:
+            # no 2D mask: every token is real, so positions simply continue after the cache
+            device = input_ids.device if input_ids is not None else inputs_embeds.device  # type: ignore[union-attr]
+            positions = torch.arange(past_length, total, device=device).unsqueeze(0)  # type: ignore[arg-type]
+
+    # -- token types and cache positions (same length rules as positions) --------------------------------------
+    if token_type_ids is not None and token_type_ids.shape[-1] != new:
+        if not strict and total is not None and token_type_ids.shape[-1] == total:
+            token_type_ids = token_type_ids[..., -new:]
+            repairs.append(TOKEN_TYPES_SLICED)
+        else:
+            raise InputShapeError(
+                f"token_type_ids has {token_type_ids.shape[-1]} columns, but this step feeds {new} new tokens: "
+                f"pass the new tokens' types only"
+            )
+    if cache_position is not None and cache_position.shape[-1] != new:
+        described = f"cache_position has {cache_position.shape[-1]} entries, but this step feeds {new} new tokens"
+        if strict:
+            raise PositionError(f"{described}: pass cache_position for the new tokens only, or leave it out")
+        cache_position = None  # the model recomputes it from the cache length
+        repairs.append(CACHE_POSITION_DROPPED)
+        warn_once(CACHE_POSITION_DROPPED, f"neofix: {described}; left it out. Reported once.")
+
+    # -- values: one synchronisation, only where it is cheap or asked for ------------------------------------
+    prefill = new > 1 or not past_length
+    check_ids = input_ids is not None and (prefill or check_values)
+    check_positions = check_values and given_positions and mask_2d
+    values_checked = check_ids or check_positions
+    if values_checked:
+        repaired = _check_values(
+            input_ids if check_ids else None,
+            token_type_ids if check_ids else None,
+            positions if check_positions else None,
+            mask,
+            new,
+            limits.vocab_size,
+            strict,
+        )
+        if repaired is not None:
+            positions = repaired
+            repairs.append(POSITION_VALUES)
+
+    return Aligned(mask, positions, token_type_ids, cache_position, batch, new, tuple(repairs), values_checked)
+
+
+def _check_values(
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    new: int,
+    vocab_size: int,
+    strict: bool,
+) -> torch.Tensor | None:
+    """Check token ids and (when given) positions with one synchronisation; return repaired positions or None."""
+    id_tensors = [t for t in (input_ids, token_type_ids) if t is not None]
+    flags = [((ids < 0) | (ids >= vocab_size)).any() for ids in id_tensors]
+    derived = wrong = None
+    if positions is not None and mask is not None:
+        derived = derive_positions(mask, new)
+        wrong = (positions != derived) & (mask[:, -new:] != 0)
+        flags.append(wrong.any())
+    if not flags:
+        return None
+    found = torch.stack(flags).tolist()  # the one synchronisation
+    for ids, bad in zip(id_tensors, found):
+        if bad:
+            raise_token_id_error(ids, vocab_size)
+    if derived is None or not found[-1]:
+        return None
+    row, column = wrong.nonzero()[0].tolist()  # type: ignore[union-attr]
+    given = int(torch.broadcast_to(positions, derived.shape)[row, column])  # type: ignore[arg-type]
+    described = (
+        f"position_ids[{row}, {column}] is {given}, but the attention mask puts that real token at position "
+        f"{int(derived[row, column])}"
+    )
+    if strict:
+        raise PositionError(f"{described}: positions must advance by one per real token; {_FIX_POSITIONS}")
+    warn_once(
+        POSITION_VALUES,
+        f"neofix: {described}; used the positions derived from the mask. To fix your loop: {_FIX_POSITIONS}. "
+        f"Reported once.",
+    )
+    return derived
+
+
+def raise_token_id_error(ids: torch.Tensor, vocab_size: int, cause: BaseException | None = None) -> None:
+    """Raise :class:`TokenIdError` for the first id of ``ids`` outside ``[0, vocab_size)`` (if there is one)."""
+    bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if not len(bad):
+        return
+    index = tuple(bad[0].tolist())
+    value = int(ids[index])
+    where = "input_ids[" + ", ".join(str(i) for i in index) + "]"
+    raise TokenIdError(
+        f"{where} is {value}, outside the vocabulary: config.vocab_size is {vocab_size}, so token ids must lie in "
+        f"[0, {vocab_size - 1}]. Check that the tokenizer belongs to this model (len(tokenizer) <= vocab_size) "
+        f"and that pad_token_id is a valid id"
+    ) from cause

@@ -1,0 +1,152 @@
+"""Everything that differs between transformers releases, in one place.
+
+The alignment core (:mod:`neofix._align`) never looks at versions.  This module answers the version-specific
+questions for it: which range is supported, how many tokens a cache holds and for how many rows, what the cache
+keyword is called, and whether a trace or compilation is running.  It imports torch and transformers, so
+``import neofix`` must not import it: the patch imports it once transformers is being loaded anyway.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+#: transformers releases neofix is tested against; setup.cfg's install_requires says the same (a test checks).
+SUPPORTED_TRANSFORMERS = ">=4.26,<6"
+
+GPT_NEO_MODULE = "transformers.models.gpt_neo.modeling_gpt_neo"
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def _release() -> tuple[int, int]:
+    from packaging.version import Version
+
+    return Version(transformers_version()).release[:2]  # type: ignore[return-value]
+
+
+#: From 4.54 GPT-Neo's forward rejects legacy tuple caches ("should be either a `Cache` object or `None`").
+LEGACY_CACHE_REJECTED = _release() >= (4, 54)
+
+
+def is_supported(version: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    # prereleases of a supported release (5.30.0.dev0) count as inside the range
+    return SpecifierSet(SUPPORTED_TRANSFORMERS, prereleases=True).contains(Version(version))
+
+
+# --- tracing and compilation ------------------------------------------------------------------------------------
+
+try:  # torch >= 2.3
+    _is_compiling = torch.compiler.is_compiling
+except AttributeError:  # pragma: no cover - older torch
+    _is_compiling = torch._dynamo.is_compiling  # type: ignore[attr-defined]
+
+try:
+    from torch.fx._symbolic_trace import is_fx_tracing as _is_fx_tracing
+except ImportError:  # pragma: no cover - older torch
+
+    def _is_fx_tracing() -> bool:
+        return False
+
+
+_jit_is_tracing = torch._C._is_tracing
+_Proxy = torch.fx.Proxy
+
+
+def is_tracing(tensor: Any = None) -> bool:
+    """True while torch.jit.trace, torch.fx (and transformers' HFTracer), torch.compile or torch.export runs.
+
+    The patch stays out of the way then: a value check would become data-dependent control flow and break the
+    trace, and a repair would be baked into the traced graph.
+    """
+    return (
+        _jit_is_tracing()
+        or _is_compiling()
+        or _is_fx_tracing()
+        or isinstance(tensor, _Proxy)
+    )
+
+
+# --- caches ---------------------------------------------------------------------------------------------------------
+
+
+def cache_state(cache: Any) -> tuple[int | None, int | None]:
+    """``(tokens held, batch)`` of a legacy tuple cache or a ``Cache`` object; ``None`` where it cannot be told.
+
+    A fresh, empty cache holds 0 tokens and has no batch yet.  Caches whose length is a tensor (static caches)
+    report ``None``: reading it would synchronise with the device.
+    """
+    if cache is None:
+        return 0, None
+    if isinstance(cache, (tuple, list)):
+        if not cache or cache[0] is None or not cache[0]:
+            return 0, None
+        key = cache[0][0]
+        return key.shape[-2], key.shape[0]
+    get_seq_length = getattr(cache, "get_seq_length", None)
+    if get_seq_length is None:
+        return None, None
+    length = get_seq_length()
+    if not isinstance(length, int):
+        return None, None
+    return length, _cache_batch(cache)
+
+
+def _cache_batch(cache: Any) -> int | None:
+    layers = getattr(cache, "layers", None)  # transformers >= 4.56: one object per layer
+    if layers is not None:
+        key = getattr(layers[0], "keys", None) if len(layers) else None
+    else:  # transformers 4.36 - 4.55: parallel lists of tensors
+        key_cache = getattr(cache, "key_cache", None)
+        key = key_cache[0] if key_cache else None
+    if key is None or not isinstance(key, torch.Tensor) or key.dim() != 4:
+        return None
+    return key.shape[0]
+
+
+def layer_cache_length(layer_past: Any, layer_idx: int | None) -> int | None:
+    """Tokens held by one layer's cache as the attention layer sees it (a ``(key, value)`` pair or a Cache)."""
+    if layer_past is None:
+        return 0
+    if isinstance(layer_past, (tuple, list)):
+        return layer_past[0].shape[-2] if len(layer_past) and layer_past[0] is not None else 0
+    if layer_idx is None:
+        return None
+    length = layer_past.get_seq_length(layer_idx)
+    return length if isinstance(length, int) else None
+
+
+def cache_from_legacy(legacy: Any, config: Any) -> Any:
+    """A ``DynamicCache`` holding a legacy ``((key, value), ...)`` cache, built without deprecation warnings."""
+    from transformers.cache_utils import DynamicCache
+
+    if "ddp_cache_data" in inspect.signature(DynamicCache.__init__).parameters:  # 4.57 and later
+        return DynamicCache(ddp_cache_data=legacy, config=config)
+    return DynamicCache.from_legacy_cache(legacy)  # type: ignore[attr-defined]
+
+
+def cache_keyword(forward: Any) -> str:
+    """The keyword a forward takes its cache under: ``cache`` (transformers 5.x) or ``past_key_values``."""
+    try:
+        parameters = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - C callables
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def positional_names(function: Any) -> tuple[str, ...]:
+    """Names of the parameters a method takes positionally, without ``self``."""
+    names = []
+    for parameter in inspect.signature(function).parameters.values():
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            names.append(parameter.name)
+    return tuple(names[1:]) if names and names[0] == "self" else tuple(names)

@@ -1,0 +1,95 @@
+"""The errors and warnings neofix raises.  Importing this module imports neither torch nor transformers."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+
+__all__ = [
+    "NeofixError",
+    "MaskLengthError",
+    "BatchMismatchError",
+    "PositionError",
+    "SequenceTooLongError",
+    "TokenIdError",
+    "CacheLengthError",
+    "InputShapeError",
+    "NeofixWarning",
+]
+
+
+class NeofixError(ValueError):
+    """A decoding step whose attention mask, positions, cache and inputs cannot be made to agree.
+
+    Subclasses name the kind of problem; catching ``NeofixError`` (or ``ValueError``) catches them all.
+    """
+
+
+class MaskLengthError(NeofixError):
+    """The attention mask does not cover exactly the cached plus the new tokens."""
+
+
+class BatchMismatchError(NeofixError):
+    """The attention mask, position ids or cache hold a different batch size than the inputs."""
+
+
+class PositionError(NeofixError):
+    """The position ids do not fit the step (length or, with ``check_values=True``, values)."""
+
+
+class SequenceTooLongError(NeofixError):
+    """The sequence would pass ``config.max_position_embeddings``."""
+
+
+class TokenIdError(NeofixError):
+    """A token id lies outside ``[0, config.vocab_size)``."""
+
+
+class CacheLengthError(NeofixError):
+    """The layers of the KV cache hold different numbers of tokens."""
+
+
+class InputShapeError(NeofixError):
+    """The step's inputs have an impossible shape (no new tokens, wrong embedding width, ...)."""
+
+
+class NeofixWarning(UserWarning):
+    """neofix repaired a decoding step.  Each kind of repair is reported once per process."""
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+_INTERNAL = ("neofix", "torch", "transformers", "wrapt", "contextlib", "functools")
+
+
+def warn_once(kind: str, message: str, stacklevel: int = 0) -> None:
+    """Emit ``message`` as a :class:`NeofixWarning` the first time ``kind`` is repaired in this process.
+
+    The warning points at the first caller outside neofix, torch and transformers: the user's loop.
+    """
+    with _warned_lock:
+        if kind in _warned:
+            return
+        _warned.add(kind)
+    warnings.warn(message, NeofixWarning, stacklevel=stacklevel or _user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    frame = sys._getframe(2)  # the caller of warn_once
+    level = 2
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in _INTERNAL:
+            return level
+        frame = frame.f_back
+        level += 1
+    return 2
+
+
+def reset_warnings() -> None:
+    """Forget which repairs were already reported (tests use this)."""
+    with _warned_lock:
+        _warned.clear()

@@ -1,0 +1,208 @@
+"""Patch lifecycle: ``patch()``, ``unpatch()``, ``is_patched()`` and the post-import hook.
+
+Importing this module imports neither torch nor transformers: ``import neofix`` only registers a wrapt
+post-import hook on GPT-Neo's modeling module, which applies the patch when transformers loads that module (at
+once if it already has).  Both verbs are idempotent and thread-safe; ``unpatch()`` restores transformers exactly
+(a wrapper installed on a subclass over an inherited method is deleted, not replaced by a copy).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import warnings
+from typing import Any, NamedTuple
+
+from ._errors import NeofixWarning
+
+GPT_NEO_MODULE = "transformers.models.gpt_neo.modeling_gpt_neo"
+
+_MISSING = object()
+_lock = threading.RLock()
+
+
+class _Target(NamedTuple):
+    name: str  # as shown by ``neofix doctor``
+    owner: str  # attribute of the modeling module, or "" for the module itself
+    attribute: str
+    factory: str  # name in neofix._wrappers; "make_*" factories receive the original function
+    required: bool  # missing -> warning; optional targets exist only in some releases
+
+
+TARGETS = (
+    _Target("GPTNeoModel.forward", "GPTNeoModel", "forward", "make_model_forward", True),
+    _Target(
+        "GPTNeoForCausalLM.prepare_inputs_for_generation",
+        "GPTNeoForCausalLM",
+        "prepare_inputs_for_generation",
+        "prepare_inputs_for_generation",
+        True,
+    ),
+    _Target("GPTNeoForCausalLM.generate", "GPTNeoForCausalLM", "generate", "generate", True),
+    _Target("GPTNeoSelfAttention.forward", "GPTNeoSelfAttention", "forward", "attention_forward", True),
+    _Target("GPTNeoFlashAttention2.forward", "GPTNeoFlashAttention2", "forward", "attention_forward", False),
+    _Target(
+        "_prepare_4d_causal_attention_mask (float64)",
+        "",
+        "_prepare_4d_causal_attention_mask",
+        "prepare_4d_mask_float64",
+        False,
+    ),
+)
+
+
+class _Applied(NamedTuple):
+    owner: Any
+    attribute: str
+    original: Any  # the owner's own attribute before patching, or _MISSING when it was inherited
+    proxy: Any
+
+
+_applied: list[_Applied] = []
+_status: dict[str, tuple[str, str]] = {}
+_unpatched_by_user = False
+
+
+def is_patched() -> bool:
+    """True while neofix's wrappers are installed on GPT-Neo."""
+    return bool(_applied)
+
+
+def patch() -> bool:
+    """Install neofix on transformers' GPT-Neo (importing it if needed).
+
+    Returns True when this call installed the patch, False when it was already installed or could not be (an
+    unsupported transformers, or none: a :class:`~neofix.NeofixWarning` says which).  Idempotent.
+    """
+    global _unpatched_by_user
+    with _lock:
+        _unpatched_by_user = False
+        if _applied:
+            return False
+        try:
+            module = importlib.import_module(GPT_NEO_MODULE)
+        except Exception as exc:  # transformers missing or broken: tell, never crash the caller
+            _warn(f"neofix: could not import {GPT_NEO_MODULE} ({type(exc).__name__}: {exc}); nothing patched")
+            return False
+        return _apply(module)
+
+
+def unpatch() -> bool:
+    """Remove neofix from GPT-Neo and restore transformers exactly.  Returns False if it was not patched.
+
+    After ``unpatch()`` the post-import hook no longer patches on its own; ``patch()`` installs it again.
+    """
+    global _unpatched_by_user
+    with _lock:
+        _unpatched_by_user = True
+        if not _applied:
+            return False
+        for applied in reversed(_applied):
+            current = vars(applied.owner).get(applied.attribute, _MISSING)
+            if current is not applied.proxy:
+                _warn(
+                    f"neofix: {_describe(applied)} was wrapped again by someone else after neofix; left in place "
+                    f"(remove the outer wrapper first)"
+                )
+                continue
+            if applied.original is _MISSING:
+                delattr(applied.owner, applied.attribute)
+            else:
+                setattr(applied.owner, applied.attribute, applied.original)
+        _applied.clear()
+        _status.clear()
+        return True
+
+
+def status() -> list[tuple[str, str, str]]:
+    """``(target, state, reason)`` for every patch target; state is ``patched``, ``missing`` or ``skipped``."""
+    with _lock:
+        rows = []
+        for target in TARGETS:
+            state, reason = _status.get(target.name, ("unpatched", "neofix is not applied"))
+            rows.append((target.name, state, reason))
+        return rows
+
+
+def _apply(module: Any) -> bool:
+    from . import _compat, _wrappers
+    import wrapt
+
+    version = _compat.transformers_version()
+    if not _compat.is_supported(version):
+        for target in TARGETS:
+            _status[target.name] = ("skipped", f"transformers {version} is outside {_compat.SUPPORTED_TRANSFORMERS}")
+        _warn(
+            f"neofix: transformers {version} is outside the tested range {_compat.SUPPORTED_TRANSFORMERS}; "
+            f"GPT-Neo left unpatched. Install a supported transformers, or set NEOFIX_DISABLE=1 to silence this"
+        )
+        return False
+    try:
+        for target in TARGETS:
+            owner = getattr(module, target.owner, None) if target.owner else module
+            if owner is None or not hasattr(owner, target.attribute):
+                where = target.owner or module.__name__
+                reason = f"{where}.{target.attribute} does not exist in transformers {version}"
+                if target.required:
+                    _status[target.name] = ("missing", reason)
+                    _warn(f"neofix: {reason}; that part of GPT-Neo is left unpatched")
+                else:
+                    _status[target.name] = ("skipped", f"not needed: {reason}")
+                continue
+            original = vars(owner).get(target.attribute, _MISSING)
+            wrapper = getattr(_wrappers, target.factory)
+            if target.factory.startswith("make_"):
+                wrapper = wrapper(getattr(owner, target.attribute))
+            wrapt.wrap_function_wrapper(owner, target.attribute, wrapper)
+            _applied.append(_Applied(owner, target.attribute, original, vars(owner)[target.attribute]))
+            inherited = " (inherited; wrapper installed on the class)" if original is _MISSING else ""
+            _status[target.name] = ("patched", f"transformers {version}{inherited}")
+    except Exception:
+        # never leave a half-applied patch behind
+        _unpatch_all_quietly()
+        raise
+    return True
+
+
+def _unpatch_all_quietly() -> None:
+    for applied in reversed(_applied):
+        if vars(applied.owner).get(applied.attribute, _MISSING) is applied.proxy:
+            if applied.original is _MISSING:
+                delattr(applied.owner, applied.attribute)
+            else:
+                setattr(applied.owner, applied.attribute, applied.original)
+    _applied.clear()
+
+
+def _describe(applied: _Applied) -> str:
+    owner = getattr(applied.owner, "__name__", repr(applied.owner))
+    return f"{owner}.{applied.attribute}"
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, NeofixWarning, stacklevel=3)
+
+
+def _on_import(module: Any) -> None:
+    """Post-import hook: patch GPT-Neo as its module finishes loading.  Never raises into the user's import."""
+    with _lock:
+        if _applied or _unpatched_by_user:
+            return
+        try:
+            _apply(module)
+        except Exception as exc:
+            _status.clear()
+            _warn(f"neofix: patching GPT-Neo failed ({type(exc).__name__}: {exc}); GPT-Neo left unpatched")
+
+
+def register() -> None:
+    """Called once by ``import neofix``: read the environment and register the post-import hook."""
+    from ._config import load_environment
+
+    load_environment()
+    if os.environ.get("NEOFIX_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return
+    import wrapt
+
+    wrapt.register_post_import_hook(_on_import, GPT_NEO_MODULE)

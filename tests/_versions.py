@@ -1,0 +1,85 @@
+"""The one place tests ask which transformers release is installed and what it has.
+
+Tests use :func:`requires` so that a feature a release lacks is skipped with a reason, never passed silently.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+
+TF = Version(transformers.__version__)
+TF_RELEASE = TF.release[:2]
+
+#: feature -> (first release that has it, why it matters)
+FEATURES = {
+    "assisted decoding": ((4, 29), "generate(assistant_model=...) arrived in transformers 4.29"),
+    "prompt lookup": ((4, 37), "generate(prompt_lookup_num_tokens=...) arrived in transformers 4.37"),
+    "Cache objects": ((4, 36), "transformers.cache_utils.DynamicCache arrived in 4.36"),
+    "legacy tuple caches": ((0, 0), ""),
+    "float64 mask bug": ((4, 36), "only transformers 4.36 - 4.44 build the causal mask through the buggy helper"),
+    "fx tracing": ((0, 0), ""),
+}
+
+
+def has(feature: str) -> bool:
+    if feature == "legacy tuple caches":  # GPT-Neo's forward rejects them from 4.54 on (neofix converts them)
+        return True
+    if feature == "float64 mask bug":
+        return (4, 36) <= TF_RELEASE < (4, 45)
+    if feature == "fx tracing":
+        try:
+            from transformers.utils import fx  # noqa: F401
+        except Exception:
+            return False
+        return True
+    first, _ = FEATURES[feature]
+    return TF_RELEASE >= first
+
+
+def requires(feature: str) -> pytest.MarkDecorator:
+    reason = FEATURES[feature][1] or f"{feature} is not available"
+    return pytest.mark.skipif(not has(feature), reason=f"{reason}; installed: transformers {TF}")
+
+
+def cache_keyword() -> str:
+    """The keyword the installed GPT-Neo takes its cache under."""
+    from transformers import GPTNeoForCausalLM
+
+    return "cache" if "cache" in inspect.signature(GPTNeoForCausalLM.forward).parameters else "past_key_values"
+
+
+def output_cache(outputs):
+    """The cache a model output carries (``.cache`` on transformers 5.x, ``.past_key_values`` before)."""
+    if "cache" in outputs.keys():
+        return outputs["cache"]
+    return outputs["past_key_values"]
+
+
+def legacy(cache):
+    """The cache as a legacy tuple of (key, value) pairs, whatever the installed release returned."""
+    if isinstance(cache, tuple):
+        return cache
+    if hasattr(cache, "layers"):
+        return tuple((layer.keys, layer.values) for layer in cache.layers)
+    if hasattr(cache, "key_cache"):
+        return tuple(zip(cache.key_cache, cache.value_cache))
+    return tuple(tuple(layer) for layer in cache)
+
+
+def as_cache_object(cache):
+    """The cache as a ``DynamicCache`` (skip on releases without Cache objects)."""
+    from neofix import _compat
+
+    if not isinstance(cache, tuple):
+        return cache
+    from transformers import GPTNeoConfig
+
+    return _compat.cache_from_legacy(cache, GPTNeoConfig())
+
+
+DTYPE = torch.float64

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import neofix
+from neofix import _errors
+from neofix.testing import tiny_gpt_neo
+
+from ._versions import DTYPE
+
+
+@pytest.fixture(autouse=True)
+def _neofix_state():
+    """Every test starts patched, in repair mode, with no warning reported yet, and leaves it that way."""
+    previous = neofix.configure(mode="repair", check_values=False)
+    _errors.reset_warnings()
+    neofix.patch()
+    yield
+    neofix.configure(**previous)
+    neofix.patch()
+
+
+@pytest.fixture
+def vanilla():
+    """Run the test body on unpatched transformers."""
+    neofix.unpatch()
+    yield
+    neofix.patch()
+
+
+@pytest.fixture
+def strict():
+    neofix.configure(mode="strict")
+
+
+@pytest.fixture(scope="session")
+def model():
+    """The tiny float64 GPT-Neo every correctness test decodes with (read-only: do not train it)."""
+    return tiny_gpt_neo(seed=0, dtype=DTYPE)

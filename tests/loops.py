@@ -1,0 +1,79 @@
+"""Hand-written decoding loops, right and wrong, as GPT-Neo users write them."""
+
+from __future__ import annotations
+
+import torch
+
+from neofix.testing import reference_positions
+
+from ._versions import as_cache_object, cache_keyword, legacy, output_cache
+
+
+def left_padded_batch(lengths, width=None, vocab=96, seed=0):
+    """input_ids and mask for rows of the given real lengths, left-padded to ``width`` with pad id 0."""
+    width = width or max(lengths)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (len(lengths), width), generator=generator)
+    mask = torch.ones_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, : width - length] = 0
+        mask[row, : width - length] = 0
+    return ids, mask
+
+
+@torch.no_grad()
+def decode(
+    model,
+    ids,
+    mask,
+    steps,
+    *,
+    mask_mode="synced",
+    positions="none",
+    cache_format="native",
+    chunks=(),
+    pass_mask=True,
+):
+    """Greedy decoding by hand with a KV cache; returns the ``steps`` generated tokens, shape (batch, steps).
+
+    mask_mode   "synced": the mask covers cached + new tokens at every step; "stale": the prompt's mask is
+                passed at every step (the classic bug).
+    positions   "none" | "correct" (new tokens only) | "full" (every token so far) | "stale" (the prompt's).
+    cache_format "native" (what the model returned) | "legacy" (tuples) | "object" (a DynamicCache).
+    chunks      split points: the prompt is fed in pieces with the cache (chunked prefill).
+    """
+    keyword = cache_keyword()
+    prompt_mask = mask
+    full_mask = mask
+    cache = None
+    generated = []
+    bounds = [0, *chunks, ids.shape[1]]
+    feeds = [ids[:, a:b] for a, b in zip(bounds, bounds[1:])]
+    fed = 0
+    for step in range(len(feeds) - 1 + steps):
+        new = feeds[step] if step < len(feeds) else next_tokens
+        fed += new.shape[1]
+        if step >= len(feeds):
+            full_mask = torch.cat([full_mask, full_mask.new_ones((full_mask.shape[0], 1))], dim=-1)
+        step_mask = full_mask[:, :fed]
+        kwargs = {"input_ids": new, "use_cache": True}
+        if pass_mask:
+            kwargs["attention_mask"] = step_mask if mask_mode == "synced" else prompt_mask
+        if positions == "correct":
+            kwargs["position_ids"] = reference_positions(step_mask)[:, -new.shape[1]:]
+        elif positions == "full":
+            kwargs["position_ids"] = reference_positions(step_mask)
+        elif positions == "stale":
+            kwargs["position_ids"] = reference_positions(prompt_mask)
+        if cache is not None:
+            if cache_format == "legacy":
+                cache = legacy(cache)
+            elif cache_format == "object":
+                cache = as_cache_object(cache)
+            kwargs[keyword] = cache
+        out = model(**kwargs)
+        cache = output_cache(out)
+        if step >= len(feeds) - 1:
+            next_tokens = out.logits[:, -1:].argmax(-1)
+            generated.append(next_tokens)
+    return torch.cat(generated, dim=-1)

@@ -23,6 +23,10 @@ FEATURES = {
     "legacy tuple caches": ((0, 0), ""),
     "float64 mask bug": ((4, 36), "only transformers 4.36 - 4.44 build the causal mask through the buggy helper"),
     "fx tracing": ((0, 0), ""),
+    "generate slices uncached tokens": (
+        (4, 36),
+        "before 4.36 GPT-Neo's prepare_inputs_for_generation fed only the last token when a cache was given",
+    ),
 }
 
 

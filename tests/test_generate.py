@@ -1,0 +1,218 @@
+"""Patched ``generate`` on well-formed input is token-identical to vanilla, and (greedy) to the reference."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+import neofix
+from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
+
+from ._versions import cache_keyword, has, output_cache, requires
+from .loops import left_padded_batch
+
+NEW = 10
+
+
+def both(run):
+    """``run()`` patched and vanilla: (patched result, vanilla result).  Each run gets fresh inputs."""
+    assert neofix.is_patched()
+    patched = run()
+    neofix.unpatch()
+    try:
+        plain = run()
+    finally:
+        neofix.patch()
+    return patched, plain
+
+
+def generate(model, ids, mask, **kwargs):
+    kwargs.setdefault("max_new_tokens", NEW)
+    kwargs.setdefault("pad_token_id", model.config.pad_token_id)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def model(model):
+    """Parity needs vanilla to run: transformers 4.36 - 4.44 cannot run GPT-Neo in float64 (neofix can)."""
+    if has("float64 mask bug"):
+        return tiny_gpt_neo(seed=0, dtype=torch.float32)
+    return model
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return left_padded_batch([6, 2, 4, 6], width=6, seed=3)
+
+
+def test_greedy_left_padded_matches_vanilla_and_reference(model, batch):
+    ids, mask = batch
+    patched, plain = both(lambda: generate(model, ids, mask, do_sample=False, min_new_tokens=NEW))
+    assert torch.equal(patched, plain)
+    assert torch.equal(patched, reference_greedy(model, ids, mask, NEW))
+
+
+def test_greedy_rows_equal_unpadded_prompts(model, batch):
+    ids, mask = batch
+    together = generate(model, ids, mask, do_sample=False, min_new_tokens=NEW)
+    for row in range(ids.shape[0]):
+        real = ids[row, mask[row].bool()][None]
+        alone = generate(model, real, torch.ones_like(real), do_sample=False, min_new_tokens=NEW)
+        assert torch.equal(together[row, -NEW:], alone[0, -NEW:])
+
+
+def test_greedy_without_mask(model):
+    ids, _ = left_padded_batch([5, 5], seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers may warn that no attention mask was passed
+        patched, plain = both(lambda: generate(model, ids, None, do_sample=False, min_new_tokens=NEW))
+    assert torch.equal(patched, plain)
+    assert torch.equal(patched, reference_greedy(model, ids, None, NEW))
+
+
+@pytest.mark.parametrize("num_beams", [2, 3])
+def test_beam_search(model, batch, num_beams):
+    ids, mask = batch
+    patched, plain = both(lambda: generate(model, ids, mask, num_beams=num_beams, do_sample=False))
+    assert torch.equal(patched, plain)
+
+
+def test_beam_search_returns_several_sequences(model, batch):
+    ids, mask = batch
+    patched, plain = both(
+        lambda: generate(model, ids, mask, num_beams=3, num_return_sequences=2, do_sample=False)
+    )
+    assert patched.shape[0] == 2 * ids.shape[0]
+    assert torch.equal(patched, plain)
+
+
+def test_sampling_with_seed(model, batch):
+    ids, mask = batch
+
+    def run():
+        torch.manual_seed(1234)
+        return generate(model, ids, mask, do_sample=True, top_k=20, temperature=1.5)
+
+    patched, plain = both(run)
+    assert torch.equal(patched, plain)
+
+
+@requires("assisted decoding")
+def test_assisted_decoding(model):
+    # transformers supports assisted decoding with batch size 1
+    ids, mask = left_padded_batch([6], seed=5)
+    assistant = tiny_gpt_neo(seed=7, dtype=model.dtype)
+    patched, plain = both(lambda: generate(model, ids, mask, assistant_model=assistant, do_sample=False))
+    assert torch.equal(patched, plain)
+    assert torch.equal(patched, reference_greedy(model, ids, mask, patched.shape[1] - ids.shape[1]))
+
+
+@requires("prompt lookup")
+def test_prompt_lookup(model):
+    # a repetitive prompt gives prompt lookup candidates to verify
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    mask = torch.ones_like(ids)
+    patched, plain = both(lambda: generate(model, ids, mask, prompt_lookup_num_tokens=3, do_sample=False))
+    assert torch.equal(patched, plain)
+    assert torch.equal(patched, reference_greedy(model, ids, mask, patched.shape[1] - ids.shape[1]))
+
+
+def _prefix_cache(model, ids, mask):
+    """The cache of a well-formed prefix forward (explicit positions, so vanilla builds it right too)."""
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask), use_cache=True)
+    return output_cache(out)
+
+
+@pytest.mark.parametrize("uncached", [1, 3])
+def test_continue_from_a_returned_cache(model, batch, uncached):
+    """generate(full sequence, cache of a prefix): the same tokens as generating from scratch.
+
+    With one uncached token every release is right; with several, transformers up to 4.35 feeds only the last one
+    and silently drops the others, which neofix repairs.
+    """
+    ids, mask = batch
+    prefix = ids.shape[1] - uncached
+    expected = reference_greedy(model, ids, mask, NEW)
+
+    def run():
+        cache = _prefix_cache(model, ids[:, :prefix], mask[:, :prefix])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return generate(model, ids, mask, do_sample=False, min_new_tokens=NEW, **{cache_keyword(): cache})
+
+    patched = run()
+    assert torch.equal(patched, expected)
+    neofix.unpatch()
+    try:
+        plain = run()
+    except RuntimeError:  # 4.26 - 4.35: the mask no longer matches the one token fed
+        plain = None
+    finally:
+        neofix.patch()
+    if uncached == 1 or has("generate slices uncached tokens"):
+        assert torch.equal(plain, expected)
+    else:  # releases before 4.36: prepare_inputs fed the last token only
+        assert plain is None or not torch.equal(plain, expected)
+
+
+@requires("Cache objects")
+def test_continue_from_generate_output_cache(model, batch):
+    """The cache returned by generate(return_dict_in_generate=True) continues the same sequences."""
+    ids, mask = batch
+    first = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    cache = output_cache(first)
+    sequences = first.sequences
+    full_mask = torch.cat([mask, mask.new_ones((mask.shape[0], 4))], -1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        continued = generate(model, sequences, full_mask, do_sample=False, min_new_tokens=6, max_new_tokens=6,
+                             **{cache_keyword(): cache})
+    assert torch.equal(continued, reference_greedy(model, ids, mask, 10))
+
+
+def test_patch_adds_no_transformers_warnings(model, batch, caplog):
+    """Everything transformers warns about on a patched run, it warns about unpatched too: neofix adds nothing."""
+    ids, mask = batch
+
+    def run():
+        caplog.clear()
+        once = getattr(logging.Logger, "warning_once", None)  # transformers logs some warnings once per process
+        if hasattr(once, "cache_clear"):
+            once.cache_clear()
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+            warnings.simplefilter("always")
+            generate(model, ids, mask, do_sample=False)
+            generate(model, ids, mask, num_beams=2, do_sample=False)
+            with torch.no_grad():
+                out = model(
+                    input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask), use_cache=True
+                )
+                model(
+                    input_ids=ids[:, -1:],
+                    attention_mask=torch.cat([mask, mask[:, -1:]], -1),
+                    position_ids=reference_positions(mask)[:, -1:] + 1,
+                    use_cache=True,
+                    **{cache_keyword(): output_cache(out)},
+                )
+        return (
+            {(w.category.__name__, str(w.message)) for w in caught},
+            {r.getMessage() for r in caplog.records if r.name.startswith("transformers")},
+        )
+
+    (patched_warnings, patched_logs), (plain_warnings, plain_logs) = both(run)
+    assert not [w for w in patched_warnings if w[0] == "NeofixWarning"]
+    assert patched_warnings <= plain_warnings
+    assert patched_logs <= plain_logs

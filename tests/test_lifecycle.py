@@ -1,0 +1,272 @@
+"""patch / unpatch / is_patched, the post-import hook, environment variables, and never crashing an import."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import wrapt
+from transformers.models.gpt_neo import modeling_gpt_neo
+
+import neofix
+from neofix import _lifecycle
+
+OWNERS = {
+    "GPTNeoModel": "forward",
+    "GPTNeoForCausalLM": ("prepare_inputs_for_generation", "generate"),
+    "GPTNeoSelfAttention": "forward",
+    "GPTNeoFlashAttention2": "forward",
+}
+
+
+def class_attributes():
+    """Each patch target's own class attribute (or None when the class inherits it), by identity."""
+    found = {}
+    for owner, names in OWNERS.items():
+        cls = getattr(modeling_gpt_neo, owner, None)
+        if cls is None:
+            continue
+        for name in (names,) if isinstance(names, str) else names:
+            found[f"{owner}.{name}"] = vars(cls).get(name)
+    found["module._prepare_4d_causal_attention_mask"] = vars(modeling_gpt_neo).get(
+        "_prepare_4d_causal_attention_mask"
+    )
+    return found
+
+
+def run_python(code, **env):
+    """Run ``code`` in a fresh interpreter; return its stdout parsed as JSON (the last line)."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("NEOFIX_")}
+    environment.update(env)
+    result = subprocess.run(
+        [sys.executable, "-W", "default", "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+def test_patch_and_unpatch_are_idempotent():
+    assert neofix.is_patched()
+    patched = class_attributes()
+    assert neofix.patch() is False  # already patched: nothing changes
+    assert class_attributes() == patched
+    assert neofix.unpatch() is True
+    restored = class_attributes()
+    assert neofix.unpatch() is False
+    assert class_attributes() == restored
+    assert not neofix.is_patched()
+    assert neofix.patch() is True
+    assert neofix.is_patched()
+
+
+def test_unpatch_restores_transformers_exactly():
+    neofix.unpatch()
+    before = class_attributes()
+    neofix.patch()
+    during = class_attributes()
+    wrapped = [name for name, value in during.items() if isinstance(value, wrapt.FunctionWrapper)]
+    assert "GPTNeoModel.forward" in wrapped
+    assert "GPTNeoSelfAttention.forward" in wrapped
+    assert "GPTNeoForCausalLM.generate" in wrapped
+    for name in wrapped:
+        assert during[name].__wrapped__ is (before[name] or during[name].__wrapped__)
+    neofix.unpatch()
+    after = class_attributes()
+    for name in before:
+        assert after[name] is before[name], name  # the very same objects, not copies
+
+
+def test_inherited_methods_are_deleted_not_copied():
+    from transformers.generation import GenerationMixin
+
+    cls = modeling_gpt_neo.GPTNeoForCausalLM
+    neofix.unpatch()
+    own = "prepare_inputs_for_generation" in vars(cls)
+    neofix.patch()
+    assert "generate" in vars(cls) and "prepare_inputs_for_generation" in vars(cls)
+    neofix.unpatch()
+    assert "generate" not in vars(cls)
+    assert cls.generate is GenerationMixin.generate
+    assert ("prepare_inputs_for_generation" in vars(cls)) is own
+    if not own:  # transformers >= 4.48 inherits it from GenerationMixin
+        assert cls.prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation
+
+
+def test_status_names_every_target():
+    rows = {name: (state, reason) for name, state, reason in _lifecycle.status()}
+    assert rows["GPTNeoModel.forward"][0] == "patched"
+    assert rows["GPTNeoSelfAttention.forward"][0] == "patched"
+    assert set(rows) == {target.name for target in _lifecycle.TARGETS}
+    for state, reason in rows.values():
+        assert state in ("patched", "skipped") and reason
+    neofix.unpatch()
+    assert {state for _, state, _ in _lifecycle.status()} == {"unpatched"}
+
+
+def test_missing_target_warns_and_patches_the_rest(monkeypatch):
+    neofix.unpatch()
+    monkeypatch.delattr(modeling_gpt_neo, "GPTNeoSelfAttention")
+    with pytest.warns(neofix.NeofixWarning, match="GPTNeoSelfAttention.forward does not exist"):
+        assert neofix.patch() is True
+    rows = {name: state for name, state, _ in _lifecycle.status()}
+    assert rows["GPTNeoSelfAttention.forward"] == "missing"
+    assert rows["GPTNeoModel.forward"] == "patched"
+    neofix.unpatch()
+    monkeypatch.undo()
+
+
+def test_unsupported_transformers_is_left_alone(monkeypatch):
+    from neofix import _compat
+
+    neofix.unpatch()
+    before = class_attributes()
+    monkeypatch.setattr(_compat, "transformers_version", lambda: "4.20.0")
+    with pytest.warns(neofix.NeofixWarning, match=r"transformers 4.20.0 is outside the tested range >=4.26,<6"):
+        assert neofix.patch() is False
+    assert not neofix.is_patched()
+    assert class_attributes() == before
+    monkeypatch.undo()
+
+
+def test_a_failing_patch_leaves_nothing_half_applied(monkeypatch):
+    from neofix import _wrappers
+
+    neofix.unpatch()
+    before = class_attributes()
+
+    def broken(wrapped, instance, args, kwargs):  # pragma: no cover - never called
+        raise AssertionError
+
+    monkeypatch.setattr(_wrappers, "attention_forward", property(broken))  # not a function: wrapt rejects it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _lifecycle._on_import(modeling_gpt_neo)  # the hook never raises into the user's import
+    assert not neofix.is_patched()
+    assert class_attributes() == before
+    monkeypatch.undo()
+
+
+def test_unpatch_turns_the_import_hook_off():
+    neofix.unpatch()
+    _lifecycle._on_import(modeling_gpt_neo)
+    assert not neofix.is_patched()
+
+
+def test_import_neofix_before_transformers():
+    out, _ = run_python(
+        """
+        import json, neofix
+        before = neofix.is_patched()
+        from transformers import GPTNeoForCausalLM
+        print(json.dumps([before, neofix.is_patched()]))
+        """
+    )
+    assert out == [False, True]
+
+
+def test_model_built_before_import_is_covered():
+    out, _ = run_python(
+        """
+        import json, warnings, torch
+        from transformers import GPTNeoConfig, GPTNeoForCausalLM
+        torch.manual_seed(0)
+        model = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=64, max_position_embeddings=32, hidden_size=16,
+                                              num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
+                                              window_size=4)).eval()
+        import neofix
+        ids = torch.randint(0, 64, (1, 5))
+        mask = torch.ones_like(ids)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            cache = out["cache"] if "cache" in out.keys() else out["past_key_values"]
+            keyword = "cache" if "cache" in out.keys() else "past_key_values"
+            model(input_ids=ids[:, -1:], attention_mask=mask, use_cache=True, **{keyword: cache})  # stale mask
+        print(json.dumps([neofix.is_patched(), [type(w.message).__name__ for w in caught]]))
+        """
+    )
+    assert out[0] is True
+    assert "NeofixWarning" in out[1]
+
+
+def test_neofix_disable_registers_nothing():
+    out, _ = run_python(
+        """
+        import json, neofix
+        from transformers import GPTNeoForCausalLM
+        print(json.dumps(neofix.is_patched()))
+        """,
+        NEOFIX_DISABLE="1",
+    )
+    assert out is False
+
+
+@pytest.mark.parametrize(
+    "value, expected, warned",
+    [("strict", "strict", False), ("repair", "repair", False), ("bogus", "repair", True)],
+)
+def test_neofix_mode_environment(value, expected, warned):
+    out, stderr = run_python(
+        """
+        import json, neofix
+        print(json.dumps(neofix.configure()["mode"]))
+        """,
+        NEOFIX_MODE=value,
+    )
+    assert out == expected
+    assert ("NEOFIX_MODE='bogus' is not one of" in stderr) is warned
+
+
+def test_import_never_crashes_without_transformers():
+    out, stderr = run_python(
+        """
+        import json, sys
+        sys.modules["transformers"] = None  # as if transformers were not installed
+        import neofix
+        print(json.dumps([neofix.is_patched(), neofix.patch()]))
+        """
+    )
+    assert out == [False, False]
+    assert "could not import transformers.models.gpt_neo.modeling_gpt_neo" in stderr
+
+
+def test_import_never_crashes_on_unsupported_transformers():
+    out, stderr = run_python(
+        """
+        import json
+        import neofix
+        from neofix import _compat  # imports transformers, not its GPT-Neo module
+        _compat.transformers_version = lambda: "99.0.0"
+        from transformers import GPTNeoForCausalLM
+        print(json.dumps(neofix.is_patched()))
+        """
+    )
+    assert out is False
+    assert "transformers 99.0.0 is outside the tested range" in stderr
+
+
+def test_configure_validates_and_restores():
+    previous = neofix.configure(mode="strict", check_values=True)
+    assert previous == {"mode": "repair", "check_values": False}
+    assert neofix.configure(**previous) == {"mode": "strict", "check_values": True}
+    with pytest.raises(ValueError, match="mode must be one of"):
+        neofix.configure(mode="lenient")
+    with pytest.raises(ValueError, match="check_values must be True or False"):
+        neofix.configure(check_values="yes")
+    assert neofix.configure() == previous
+
+
+def test_public_surface():
+    assert issubclass(neofix.NeofixError, ValueError)
+    assert issubclass(neofix.NeofixWarning, UserWarning)
+    for name in neofix.__all__:
+        assert getattr(neofix, name) is not None

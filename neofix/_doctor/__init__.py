@@ -1,0 +1,395 @@
+"""``neofix doctor``: versions, patch state, and a self-check of vanilla transformers against neofix.
+
+Private: the command line (:mod:`neofix._cli`) is the interface.  :func:`run` returns a :class:`Report`; it
+imports torch and transformers, so nothing imports this module at ``import neofix`` time.
+
+The self-check runs every scenario of :mod:`._scenarios` twice, first with neofix removed (``neofix.unpatch()``)
+and then with it installed, and judges both runs against the full-recompute reference.  The process is left as
+it was found: patch state, neofix's settings and reported repairs, warning filters, transformers' log level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import platform
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple
+
+from .. import _config, _errors, _lifecycle
+from .._errors import NeofixError
+from .._version import __version__
+
+__all__ = ["DoctorUsageError", "Report", "Row", "run"]
+
+GPT_NEO_MODULE = _lifecycle.GPT_NEO_MODULE
+_SMALL_MODEL = 20_000_000  # parameters; below this the self-check runs on one CPU thread
+
+
+class DoctorUsageError(Exception):
+    """The doctor cannot run as asked (a ``--model`` path that is not a GPT-Neo checkpoint): exit status 2."""
+
+
+class Cell(NamedTuple):
+    """One column of one scenario: what happened, in words for the table and as a kind for JSON."""
+
+    kind: str  # correct | repaired | wrong_tokens | accepted | clear_error | error | not_patched | no_reference
+    text: str
+    error_class: str | None = None
+    message: str | None = None  # the full first line of the error, for JSON
+
+
+class Row(NamedTuple):
+    key: str
+    title: str
+    vanilla: Cell
+    neofix: Cell
+    expected: str  # in words: "reference tokens", "reference tokens, identical to vanilla", "clear error: X"
+    right: bool
+
+
+class Report(NamedTuple):
+    versions: dict[str, str]
+    tested_range: str
+    supported: bool
+    found_patched: bool
+    targets: list[tuple[str, str, str]]
+    mode: str
+    model: dict[str, Any]
+    rows: list[Row]
+    seconds: float
+
+    @property
+    def all_right(self) -> bool:
+        return bool(self.rows) and all(row.right for row in self.rows)
+
+    @property
+    def exit_status(self) -> int:
+        return 0 if self.all_right else 1
+
+
+def run(
+    model_path: str | None = None,
+    strict: bool = False,
+    progress: Callable[[str], None] = lambda message: None,
+) -> Report:
+    """Run the doctor; raise :class:`DoctorUsageError` when ``model_path`` is not a GPT-Neo checkpoint."""
+    started = time.perf_counter()
+    if model_path is not None:
+        _check_model_directory(model_path)  # before the slow imports: a typo is reported at once
+    progress("loading torch and transformers")
+    # import-time deprecation notices (transformers 4.36 - 4.40 on a newer torch) are not the doctor's business,
+    # and an unsupported release is reported in the doctor's own words
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch
+        import transformers
+
+        from .. import _compat
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            importlib.import_module(GPT_NEO_MODULE)  # neofix's import hook patches it here, as in a user's program
+    except Exception as exc:
+        raise DoctorUsageError(
+            f"transformers {transformers.__version__} cannot load GPT-Neo ({_one_line(exc)}); "
+            f"reinstall transformers (neofix is tested with {_compat.SUPPORTED_TRANSFORMERS})"
+        ) from exc
+    found_patched = _lifecycle.is_patched()
+    with _preserved_state(transformers):
+        model, described = _load_model(model_path, progress)
+
+        from ._scenarios import SCENARIOS, Context
+
+        # the patch targets as neofix installs them for its column (also when it was not installed on arrival)
+        _lifecycle.patch()
+        targets = _lifecycle.status()
+        patched = _lifecycle.is_patched()
+        _config.configure(mode="strict" if strict else "repair", check_values=False)
+        if sum(p.numel() for p in model.parameters()) < _SMALL_MODEL:
+            torch.set_num_threads(1)  # a tiny model gains nothing from threads; on a busy machine they cost seconds
+        context = Context(model)
+        described.update(_describe_context(context))
+        rows = []
+        for number, scenario in enumerate(SCENARIOS, 1):
+            progress(f"[{number:2d}/{len(SCENARIOS)}] {scenario.title}")
+            _lifecycle.unpatch()
+            reference = None
+            if scenario.reference is not None:  # computed on vanilla transformers, with the patch off
+                computed = _attempt(scenario.reference, context)
+                if computed.error is not None:
+                    rows.append(_unjudged(scenario, computed.error))
+                    continue
+                reference = computed.tokens
+            vanilla = _attempt(scenario.run, context)
+            if patched:
+                _lifecycle.patch()
+                with_neofix = _attempt(scenario.run, context)
+            else:
+                with_neofix = None
+            rows.append(_judge(scenario, reference, vanilla, with_neofix, strict))
+
+    versions = {
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),
+        "transformers": str(transformers.__version__),
+        "neofix": __version__,
+    }
+    return Report(
+        versions=versions,
+        tested_range=_compat.SUPPORTED_TRANSFORMERS,
+        supported=_compat.is_supported(versions["transformers"]),
+        found_patched=found_patched,
+        targets=targets,
+        mode="strict" if strict else "repair",
+        model=described,
+        rows=rows,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+
+
+# --- state -------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _preserved_state(transformers: Any) -> Iterator[None]:
+    """Silence vanilla's and neofix's warnings while the self-check runs; afterwards put everything back."""
+    import torch
+
+    settings = _config.configure()  # no arguments: reads without changing
+    with _errors._warned_lock:
+        reported = set(_errors._warned)
+    verbosity = transformers.logging.get_verbosity()
+    grad = torch.is_grad_enabled()
+    threads = torch.get_num_threads()
+    was_patched = _lifecycle.is_patched()
+    hook_off = _lifecycle._unpatched_by_user
+    step_log = logging.getLogger("neofix")  # NEOFIX_TRACE=1 logs every step there: not during the self-check
+    step_log_disabled = step_log.disabled
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            transformers.logging.set_verbosity_error()
+            step_log.disabled = True
+            torch.set_grad_enabled(False)
+            yield
+    finally:
+        torch.set_grad_enabled(grad)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        transformers.logging.set_verbosity(verbosity)
+        step_log.disabled = step_log_disabled
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if was_patched:
+                _lifecycle.patch()
+            else:
+                _lifecycle.unpatch()
+        _lifecycle._unpatched_by_user = hook_off
+        _config.configure(**settings)
+        with _errors._warned_lock:
+            _errors._warned.clear()
+            _errors._warned.update(reported)
+
+
+# --- the model ---------------------------------------------------------------------------------------------------
+
+
+def _check_model_directory(path: str) -> None:
+    directory = Path(path)
+    if not directory.exists():
+        raise DoctorUsageError(
+            f"--model {path}: no such directory. Pass a folder on this machine holding a GPT-Neo checkpoint "
+            f"(what model.save_pretrained(folder) writes: config.json and the weights); nothing is downloaded"
+        )
+    if not directory.is_dir():
+        raise DoctorUsageError(
+            f"--model {path}: this is a file; pass the checkpoint's folder (the one holding config.json)"
+        )
+    if not (directory / "config.json").is_file():
+        raise DoctorUsageError(
+            f"--model {path}: no config.json in this folder, so it is not a saved checkpoint. Pass the folder "
+            f"that model.save_pretrained(folder) wrote"
+        )
+
+
+def _load_model(path: str | None, progress: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+    import torch
+
+    if path is None:
+        progress("building the tiny random GPT-Neo")
+        from ..testing import tiny_gpt_neo
+
+        # gpt-neo-125M's structure, shrunk: global and local attention layers alternate, and the local window (4)
+        # is shorter than every sequence the scenarios decode, so each of them crosses it
+        model = tiny_gpt_neo(seed=0, dtype=torch.float32)
+        return model, {"source": "built-in tiny random GPT-Neo (no download)"}
+    progress(f"loading {path}")
+    from transformers import AutoConfig, GPTNeoForCausalLM
+
+    from ._scenarios import ROW_LENGTHS, STEPS
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise DoctorUsageError(f"--model {path}: cannot read its config.json ({_one_line(exc)})") from exc
+    if getattr(config, "model_type", None) != "gpt_neo":
+        kind = getattr(config, "model_type", None) or "unknown"
+        architectures = ", ".join(getattr(config, "architectures", None) or ()) or "no architectures listed"
+        raise DoctorUsageError(
+            f"--model {path}: this is a {kind!r} checkpoint ({architectures}), not GPT-Neo. neofix only patches "
+            f"GPT-Neo; pass a folder whose config.json says \"model_type\": \"gpt_neo\""
+        )
+    needed = max(ROW_LENGTHS) + STEPS + 2
+    if config.max_position_embeddings < needed or config.vocab_size < 2:
+        raise DoctorUsageError(
+            f"--model {path}: this GPT-Neo is too small for the self-check (max_position_embeddings "
+            f"{config.max_position_embeddings}, vocab_size {config.vocab_size}; it needs at least "
+            f"{needed} positions and 2 token ids)"
+        )
+    try:
+        model = GPTNeoForCausalLM.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise DoctorUsageError(f"--model {path}: cannot load the weights ({_one_line(exc)})") from exc
+    # float32 on the CPU, whatever the checkpoint was saved in: half precision would make token comparisons flaky
+    return model.to(device="cpu", dtype=torch.float32).eval(), {"source": f"checkpoint {Path(path)}"}
+
+
+def _describe_context(context: Any) -> dict[str, Any]:
+    from ._scenarios import ROW_LENGTHS, STEPS
+
+    config = context.model.config
+    layers = list(getattr(config, "attention_layers", []) or [])
+    longest = max(ROW_LENGTHS) + STEPS
+    window = int(getattr(config, "window_size", 0) or 0)
+    return {
+        "layers": len(layers) or int(config.num_layers),
+        "attention_layers": layers,
+        "window_size": window,
+        "vocab_size": context.vocab_size,
+        "max_position_embeddings": context.max_positions,
+        "dtype": str(next(context.model.parameters()).dtype).replace("torch.", ""),
+        "prompt_lengths": list(ROW_LENGTHS),
+        "new_tokens": STEPS,
+        "local_window_crossed": "local" in layers and longest > window,
+    }
+
+
+# --- verdicts ----------------------------------------------------------------------------------------------------
+
+
+class _Outcome(NamedTuple):
+    tokens: Any  # a tensor, or None when it raised
+    error: BaseException | None
+
+
+def _attempt(function: Callable[[Any], Any], context: Any) -> _Outcome:
+    try:
+        return _Outcome(function(context), None)
+    except Exception as exc:  # noqa: BLE001 - every failure is an outcome to report, never a crash of the doctor
+        return _Outcome(None, exc)
+
+
+def _same(tokens: Any, expected: Any) -> bool:
+    import torch
+
+    return tokens is not None and expected is not None and tokens.shape == expected.shape and bool(
+        torch.equal(tokens, expected)
+    )
+
+
+def _judge(scenario: Any, reference: Any, vanilla: _Outcome, with_neofix: _Outcome | None, strict: bool) -> Row:
+    vanilla_correct = vanilla.error is None and _same(vanilla.tokens, reference)
+    if vanilla.error is not None:
+        vanilla_cell = _error_cell(vanilla.error)
+    elif scenario.error is not None or reference is None:  # invalid input, taken without a word
+        vanilla_cell = _accepted(vanilla.tokens, reference)
+    elif vanilla_correct:
+        vanilla_cell = Cell("correct", "correct")
+    else:
+        vanilla_cell = Cell("wrong_tokens", "wrong tokens, no error")
+
+    error = scenario.expected_error(strict)
+    if error is not None:
+        expected = f"clear error: {error.__name__}"
+    elif scenario.parity:
+        expected = "reference tokens, identical to vanilla"
+    else:
+        expected = "reference tokens"
+
+    if with_neofix is None:
+        return Row(scenario.key, scenario.title, vanilla_cell, Cell("not_patched", "not patched"), expected, False)
+    if with_neofix.error is not None:
+        cell = _error_cell(with_neofix.error)
+        right = error is not None and isinstance(with_neofix.error, error)
+    else:
+        matches = _same(with_neofix.tokens, reference)
+        if scenario.parity:
+            matches = matches and vanilla.error is None and _same(with_neofix.tokens, vanilla.tokens)
+        if error is not None or reference is None:
+            cell = _accepted(with_neofix.tokens, reference)
+        elif not matches:
+            cell = Cell("wrong_tokens", "wrong tokens, no error" if not scenario.parity else _parity_text(
+                with_neofix.tokens, reference, vanilla.tokens))
+        elif vanilla_correct:
+            cell = Cell("correct", "correct")
+        else:
+            cell = Cell("repaired", "repaired")
+        right = error is None and matches
+    return Row(scenario.key, scenario.title, vanilla_cell, cell, expected, right)
+
+
+def _unjudged(scenario: Any, error: BaseException) -> Row:
+    """The full-recompute reference itself failed: nothing can be judged (and that is not right)."""
+    cell = Cell("no_reference", f"no reference: {shorten_error(error, 52)}", type(error).__name__, _one_line(error))
+    return Row(scenario.key, scenario.title, cell, cell, "a full-recompute reference", False)
+
+
+def _accepted(tokens: Any, reference: Any) -> Cell:
+    if reference is None:
+        return Cell("accepted", "accepted, no error")
+    if _same(tokens, reference):
+        return Cell("accepted", "accepted, no error (tokens as intended)")
+    return Cell("accepted", "accepted, no error (wrong tokens)")
+
+
+def _parity_text(tokens: Any, reference: Any, vanilla: Any) -> str:
+    if not _same(tokens, reference):
+        return "wrong tokens, no error"
+    return "differs from vanilla"
+
+
+def _error_cell(error: BaseException) -> Cell:
+    name = type(error).__name__
+    if isinstance(error, NeofixError):
+        return Cell("clear_error", f"clear error: {name}", name, _one_line(error, limit=None))
+    return Cell("error", shorten_error(error), name, _one_line(error, limit=None))
+
+
+_REWRITES = (
+    # "The size of tensor a (6) must match the size of tensor b (5) at non-singleton dimension 3"
+    (r"The size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\).*", r"size of tensor a (\1) must match b (\2)"),
+)
+
+
+def shorten_error(error: BaseException, limit: int = 66) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters (a table cell)."""
+    import re
+
+    message = _one_line(error, limit=None)
+    for pattern, replacement in _REWRITES:
+        message = re.sub(pattern, replacement, message)
+    text = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
+def _one_line(error: BaseException, limit: int | None = 200) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    message = lines[0] if lines else ""
+    if limit is not None and len(message) > limit:
+        message = message[: limit - 3] + "..."
+    return message

@@ -1,0 +1,112 @@
+"""Rendering a doctor :class:`~neofix._doctor.Report`: the table people read, or one JSON document."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: Bumped when a key of the JSON document changes meaning or disappears (new keys may appear at any time).
+JSON_SCHEMA = 1
+
+
+def as_json(report: Any) -> str:
+    document = {
+        "schema": JSON_SCHEMA,
+        "versions": report.versions,
+        "transformers_tested_range": report.tested_range,
+        "transformers_supported": report.supported,
+        "patched_on_arrival": report.found_patched,
+        "patch_targets": [{"target": t, "state": s, "reason": r} for t, s, r in report.targets],
+        "mode": report.mode,
+        "model": report.model,
+        "scenarios": [
+            {
+                "key": row.key,
+                "title": row.title,
+                "vanilla": _cell(row.vanilla),
+                "neofix": _cell(row.neofix),
+                "expected": row.expected,
+                "right": row.right,
+            }
+            for row in report.rows
+        ],
+        "all_right": report.all_right,
+        "exit_status": report.exit_status,
+        "seconds": report.seconds,
+    }
+    return json.dumps(document, indent=2)
+
+
+def _cell(cell: Any) -> dict[str, Any]:
+    return {"kind": cell.kind, "text": cell.text, "error_class": cell.error_class, "message": cell.message}
+
+
+def as_table(report: Any) -> str:
+    v = report.versions
+    lines = ["neofix doctor", ""]
+    range_verdict = (
+        f"inside the tested range ({report.tested_range})"
+        if report.supported
+        else f"OUTSIDE the tested range ({report.tested_range}): neofix leaves GPT-Neo unpatched"
+    )
+    arrival = (
+        "patched in this process"
+        if report.found_patched
+        else "was not patched on arrival (NEOFIX_DISABLE=1 or neofix.unpatch()?); patched for the check, then "
+        "put back"
+    )
+    width = max(len(v[name]) for name in ("python", "torch", "transformers", "neofix"))
+    lines += [
+        f"  Python        {v['python']}",
+        f"  torch         {v['torch']}",
+        f"  transformers  {v['transformers']:<{width}}  {range_verdict}",
+        f"  neofix        {v['neofix']:<{width}}  {arrival}",
+        "",
+        "Patch targets",
+    ]
+    target_width = max(len(t) for t, _, _ in report.targets)
+    for target, state, reason in report.targets:
+        lines.append(f"  {target:<{target_width}}  {state:<9}  {reason}")
+
+    m = report.model
+    kinds = m["attention_layers"]
+    layers = ", ".join(kinds[:6]) + (", ..." if len(kinds) > 6 else "") if kinds else "?"
+    crossed = (
+        "every sequence crosses the local window"
+        if m["local_window_crossed"]
+        else "the sequences stay inside the local window"
+    )
+    lines += [
+        "",
+        f"Self-check on the {m['source']}:",
+        f"  {m['layers']} layers ({layers}), local window {m['window_size']}, vocab {m['vocab_size']}, "
+        f"{m['max_position_embeddings']} positions, {m['dtype']}",
+        f"  prompts of {', '.join(str(n) for n in m['prompt_lengths'])} tokens left-padded, "
+        f"{m['new_tokens']} new tokens: {crossed}.",
+        f"  Each scenario runs on vanilla transformers (neofix.unpatch()), then with neofix in {report.mode} mode;",
+        "  both are compared token for token with a full recompute (no cache, positions from the mask).",
+        "",
+    ]
+    header = ("scenario", f"vanilla transformers {v['transformers']}", f"neofix ({report.mode} mode)", "")
+    body = [
+        (row.title, row.vanilla.text, row.neofix.text, "ok" if row.right else f"WRONG, expected {row.expected}")
+        for row in report.rows
+    ]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(3)]
+    for columns in [header, *body]:
+        lines.append(("  " + "  ".join(f"{c:<{w}}" for c, w in zip(columns, widths)) + "  " + columns[3]).rstrip())
+    lines.append("")
+    right = sum(row.right for row in report.rows)
+    if report.all_right:
+        lines.append(f"All {right} neofix verdicts are right ({report.seconds:.1f} s).")
+    else:
+        lines.append(
+            f"{len(report.rows) - right} of {len(report.rows)} neofix verdicts are WRONG ({report.seconds:.1f} s). "
+            f"Please report this with the output of 'neofix doctor --json'."
+        )
+    if report.mode == "strict":
+        lines.append(
+            "Strict mode: steps neofix would repair (a stale mask, stale position_ids) must raise a clear error;\n"
+            "steps that need no repair (missing position_ids are derived from the mask) must give the reference."
+        )
+    return "\n".join(lines)

@@ -1,0 +1,268 @@
+"""The doctor's scenarios: decoding patterns GPT-Neo users write, right and wrong, and what each must give.
+
+Each scenario is a plain function of a :class:`Context` that decodes and returns the generated tokens (or raises).
+It runs unchanged twice, on vanilla transformers and with neofix; the verdicts come from comparing what it
+returned with the full-recompute reference of :mod:`neofix.testing`, never from a table of expected strings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from .._compat import cache_keyword
+from .._errors import (
+    BatchMismatchError,
+    MaskLengthError,
+    NeofixError,
+    PositionError,
+    SequenceTooLongError,
+    TokenIdError,
+)
+from ..testing import reference_greedy, reference_positions
+
+#: Decode steps after the prompt; with the built-in model's window of 4 every sequence crosses a local window.
+STEPS = 8
+#: Real lengths of the rows of the left-padded batch most scenarios decode.
+ROW_LENGTHS = (6, 3, 5)
+BEAMS = 3
+
+
+class Context:
+    """The model under test and what the scenarios share: inputs, the pad id, and references computed once."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = int(config.max_position_embeddings)
+        self.cache_keyword = cache_keyword(type(model).forward)
+        self.eos = _first_id(getattr(model.generation_config, "eos_token_id", None))
+        if self.eos is None:
+            self.eos = _first_id(config.eos_token_id)
+        pad = _first_id(getattr(model.generation_config, "pad_token_id", None))
+        if pad is None:
+            pad = _first_id(config.pad_token_id)
+        # checkpoints without a pad token (gpt-neo-125M has none) pad with eos, as their users do
+        self.pad = pad if pad is not None else (self.eos if self.eos is not None else 0)
+        self.ids, self.mask = left_padded_batch(ROW_LENGTHS, self.vocab_size, self.pad)
+        self._references: dict[str, torch.Tensor] = {}
+
+    def reference(self) -> torch.Tensor:
+        """The STEPS tokens full recompute gives for the left-padded batch (one forward over everything per step)."""
+        if "greedy" not in self._references:
+            full = reference_greedy(self.model, self.ids, self.mask, STEPS)
+            self._references["greedy"] = full[:, self.ids.shape[1]:]
+        return self._references["greedy"]
+
+    def generate_reference(self, beams: int) -> torch.Tensor:
+        """What ``generate`` must return: full recompute, finished rows padded after eos as generate does."""
+        key = f"generate{beams}"
+        if key not in self._references:
+            if beams == 1:
+                self._references[key] = _finish_like_generate(self.reference(), self.eos, self.pad)
+            else:
+                # beam search by full recompute: transformers' own beam search with the cache turned off
+                self._references[key] = self.generate(beams, use_cache=False)
+        return self._references[key]
+
+    @torch.no_grad()
+    def generate(self, beams: int, **kwargs: Any) -> torch.Tensor:
+        out = self.model.generate(
+            self.ids,
+            attention_mask=self.mask,
+            max_new_tokens=STEPS,
+            do_sample=False,
+            num_beams=beams,
+            pad_token_id=self.pad,
+            **kwargs,
+        )
+        return out[:, self.ids.shape[1]:]
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def left_padded_batch(lengths: tuple[int, ...], vocab_size: int, pad: int, seed: int = 0) -> tuple[Any, Any]:
+    """Random prompts of the given real lengths, left-padded with ``pad`` (ids avoid ``pad``), and their mask."""
+    width = max(lengths)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size - 1, (len(lengths), width), generator=generator)
+    ids = torch.where(ids >= pad, ids + 1, ids) if 0 <= pad < vocab_size else ids  # never the pad id itself
+    mask = torch.ones_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, : width - length] = pad
+        mask[row, : width - length] = 0
+    return ids, mask
+
+
+def _finish_like_generate(tokens: torch.Tensor, eos: int | None, pad: int) -> torch.Tensor:
+    """Greedy tokens as generate returns them: after a row's eos, pad; stop once every row has finished."""
+    if eos is None:
+        return tokens
+    tokens = tokens.clone()
+    finished = torch.zeros(tokens.shape[0], dtype=torch.bool)
+    for step in range(tokens.shape[1]):
+        tokens[finished, step] = pad
+        finished |= tokens[:, step] == eos
+        if bool(finished.all()):
+            return tokens[:, : step + 1]
+    return tokens
+
+
+def _output_cache(outputs: Any) -> Any:
+    for name in ("cache", "past_key_values"):  # 5.x outputs carry .cache
+        if name in outputs.keys():
+            return outputs[name]
+    return None
+
+
+@torch.no_grad()
+def decode(
+    ctx: Context,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    steps: int,
+    *,
+    mask_mode: str = "synced",
+    positions: str = "none",
+    chunks: tuple[int, ...] = (),
+) -> torch.Tensor:
+    """A hand-written greedy loop with a KV cache, as users write it; returns the ``steps`` generated tokens.
+
+    mask_mode  "synced": the mask covers cached + new tokens; "stale": the prompt's mask at every step;
+               "preallocated": after the prompt, a mask already as long as the whole generation at every step.
+    positions  "none" | "correct" (new tokens only) | "stale" (the prompt's, at every step).
+    chunks     split points: the prompt is fed in pieces with the cache (chunked prefill).
+    """
+    bounds = [0, *chunks, ids.shape[1]]
+    feeds = [ids[:, a:b] for a, b in zip(bounds, bounds[1:])]
+    full_mask = mask if mask is not None else torch.ones_like(ids)
+    cache = None
+    fed = 0
+    generated: list[torch.Tensor] = []
+    next_tokens = ids[:, -1:]
+    for step in range(len(feeds) - 1 + steps):
+        new = feeds[step] if step < len(feeds) else next_tokens
+        if step >= len(feeds):
+            full_mask = torch.cat([full_mask, full_mask.new_ones((full_mask.shape[0], 1))], dim=-1)
+        fed += new.shape[1]
+        step_mask = full_mask[:, :fed]
+        kwargs: dict[str, Any] = {"input_ids": new, "use_cache": True}
+        if mask is not None:
+            if mask_mode == "stale":
+                kwargs["attention_mask"] = mask
+            elif mask_mode == "preallocated" and step >= len(feeds):
+                kwargs["attention_mask"] = torch.cat([mask, mask.new_ones((mask.shape[0], steps))], dim=-1)
+            else:
+                kwargs["attention_mask"] = step_mask
+        if positions == "correct":
+            kwargs["position_ids"] = reference_positions(step_mask)[:, -new.shape[1]:]
+        elif positions == "stale":
+            kwargs["position_ids"] = reference_positions(full_mask[:, : ids.shape[1]])
+        if cache is not None:
+            kwargs[ctx.cache_keyword] = cache
+        out = ctx.model(**kwargs)
+        cache = _output_cache(out)
+        if step >= len(feeds) - 1:
+            next_tokens = out.logits[:, -1:].argmax(-1)
+            generated.append(next_tokens)
+    return torch.cat(generated, dim=-1)
+
+
+# --- the scenarios ----------------------------------------------------------------------------------------------
+
+
+def _stale_mask(ctx: Context) -> torch.Tensor:
+    return decode(ctx, ctx.ids, ctx.mask, STEPS, mask_mode="stale", positions="correct")
+
+
+def _padded_without_positions(ctx: Context) -> torch.Tensor:
+    return decode(ctx, ctx.ids, ctx.mask, STEPS, positions="none")
+
+
+def _stale_positions(ctx: Context) -> torch.Tensor:
+    return decode(ctx, ctx.ids, ctx.mask, STEPS, positions="stale")
+
+
+def _chunked_prefill(ctx: Context) -> torch.Tensor:
+    return decode(ctx, ctx.ids, ctx.mask, STEPS, chunks=(ctx.ids.shape[1] // 2,))
+
+
+def _mask_too_long(ctx: Context) -> torch.Tensor:
+    return decode(ctx, ctx.ids, ctx.mask, STEPS, mask_mode="preallocated", positions="correct")
+
+
+def _batch_mismatch(ctx: Context) -> torch.Tensor:
+    return decode(ctx, ctx.ids, ctx.mask[:-1], STEPS)
+
+
+def _position_overflow(ctx: Context) -> torch.Tensor:
+    prompt = ctx.max_positions - 2  # the third generated token needs position max_position_embeddings
+    ids = torch.randint(0, ctx.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
+    return decode(ctx, ids, torch.ones_like(ids), 4)
+
+
+def _out_of_vocabulary(ctx: Context) -> torch.Tensor:
+    ids = ctx.ids.clone()
+    ids[1, -1] = ctx.vocab_size  # a tokenizer with more tokens than the model's embedding
+    return decode(ctx, ids, ctx.mask, STEPS)
+
+
+def _generate_greedy(ctx: Context) -> torch.Tensor:
+    return ctx.generate(1)
+
+
+def _generate_beam(ctx: Context) -> torch.Tensor:
+    return ctx.generate(BEAMS)
+
+
+class Scenario(NamedTuple):
+    key: str
+    title: str
+    run: Callable[[Context], torch.Tensor]
+    #: expected tokens (valid input), or None when the input is invalid and there is nothing to compare with
+    reference: Callable[[Context], torch.Tensor] | None
+    #: what neofix must raise in repair mode (None: it must give the reference tokens)
+    error: type[NeofixError] | None
+    #: what neofix must raise in strict mode (None: it must give the reference tokens)
+    strict_error: type[NeofixError] | None
+    #: generate parity: neofix's tokens must also be identical to vanilla's
+    parity: bool = False
+
+    def expected_error(self, strict: bool) -> type[NeofixError] | None:
+        return self.strict_error if strict else self.error
+
+
+SCENARIOS = (
+    Scenario("stale_mask", "hand-written loop, stale mask", _stale_mask, Context.reference, None, MaskLengthError),
+    Scenario(
+        "padded_no_positions", "left-padded loop, no position_ids", _padded_without_positions, Context.reference,
+        None, None,
+    ),
+    Scenario("stale_positions", "stale position_ids", _stale_positions, Context.reference, None, PositionError),
+    Scenario("chunked_prefill", "chunked prefill, left-padded", _chunked_prefill, Context.reference, None, None),
+    Scenario(
+        "mask_too_long", "mask longer than cache + input", _mask_too_long, Context.reference, MaskLengthError,
+        MaskLengthError,
+    ),
+    Scenario("batch_mismatch", "mask batch != input batch", _batch_mismatch, None, BatchMismatchError,
+             BatchMismatchError),
+    Scenario(
+        "position_overflow", "past max_position_embeddings", _position_overflow, None, SequenceTooLongError,
+        SequenceTooLongError,
+    ),
+    Scenario("out_of_vocabulary", "token id >= vocab_size", _out_of_vocabulary, None, TokenIdError, TokenIdError),
+    Scenario(
+        "generate_greedy", "generate, greedy, left-padded", _generate_greedy,
+        lambda ctx: ctx.generate_reference(1), None, None, parity=True,
+    ),
+    Scenario(
+        "generate_beam", f"generate, {BEAMS} beams, left-padded", _generate_beam,
+        lambda ctx: ctx.generate_reference(BEAMS), None, None, parity=True,
+    ),
+)

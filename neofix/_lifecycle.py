@@ -62,6 +62,7 @@ class _Applied(NamedTuple):
 _applied: list[_Applied] = []
 _status: dict[str, tuple[str, str]] = {}
 _unpatched_by_user = False
+_log_steps = False  # NEOFIX_TRACE=1: log one line per step through logging.getLogger("neofix")
 
 
 def is_patched() -> bool:
@@ -162,6 +163,10 @@ def _apply(module: Any) -> bool:
         # never leave a half-applied patch behind
         _unpatch_all_quietly()
         raise
+    if _log_steps:  # NEOFIX_TRACE=1: log every step (needs torch, which transformers has imported by now)
+        from ._trace import log_steps
+
+        log_steps()
     return True
 
 
@@ -201,8 +206,23 @@ def register() -> None:
     from ._config import load_environment
 
     load_environment()
+    _read_trace_environment()
     if os.environ.get("NEOFIX_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
         return
     import wrapt
 
     wrapt.register_post_import_hook(_on_import, GPT_NEO_MODULE)
+
+
+def _read_trace_environment() -> None:
+    """``NEOFIX_TRACE``: read once, at import, like the other variables; a value it does not understand warns."""
+    global _log_steps
+    from ._config import _FALSE, _TRUE
+
+    value = os.environ.get("NEOFIX_TRACE")
+    if value is None:
+        return
+    if value.strip().lower() in _TRUE:
+        _log_steps = True
+    elif value.strip().lower() not in _FALSE:
+        _warn(f"NEOFIX_TRACE={value!r} is not a boolean (1/0, true/false); using 0")

@@ -1,6 +1,9 @@
-"""pytest plugin (entry point ``pytest11: neofix``): fixtures for guarding your own GPT-Neo decoding in CI.
+"""pytest plugin (entry point ``pytest11: neofix``): guard your own GPT-Neo decoding in CI.
 
-Loaded automatically when neofix is installed; disable with ``pytest -p no:neofix``.
+Loaded automatically when neofix is installed; disable with ``pytest -p no:neofix``.  It provides the
+``gpt_neo_tiny`` fixture; the assertions to use with it live in :mod:`neofix.testing`
+(``assert_generation_consistent``, ``assert_steps_aligned``).  Importing this module imports neither torch nor
+transformers: the fixture loads them when a test asks for it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import pytest
 @pytest.fixture
 def gpt_neo_tiny() -> Callable[..., Any]:
     """Factory ``gpt_neo_tiny(seed=0, dtype=torch.float32, **config_overrides)``: an eval-mode tiny random
-    ``GPTNeoForCausalLM`` with global and local layers, built from a config (no download)."""
+    ``GPTNeoForCausalLM`` with global and local layers, built from a config (no download).  The same seed and
+    config give the same weights; the output layer is sharpened so that greedy decoding never sits on a near-tie."""
     from .testing import tiny_gpt_neo
 
     return tiny_gpt_neo

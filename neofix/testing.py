@@ -3,6 +3,10 @@
 The reference runs one forward over the whole sequence, without a cache, with the attention mask and
 ``position_ids = (cumsum(mask) - 1).clamp(min=0)``: a left-padded row then produces exactly the tokens of the same
 prompt alone.  Nothing here downloads anything.
+
+For your own CI (the pytest plugin provides the ``gpt_neo_tiny`` fixture): :func:`assert_generation_consistent`
+compares cached ``generate`` with the reference token for token, :func:`assert_steps_aligned` checks a
+:func:`neofix.trace` against the decoding step contract.
 """
 
 from __future__ import annotations
@@ -11,7 +15,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["tiny_gpt_neo", "tiny_gpt_neo_config", "reference_positions", "reference_logits", "reference_greedy"]
+__all__ = [
+    "assert_generation_consistent",
+    "assert_steps_aligned",
+    "reference_greedy",
+    "reference_logits",
+    "reference_positions",
+    "tiny_gpt_neo",
+    "tiny_gpt_neo_config",
+]
 
 #: Defaults of :func:`tiny_gpt_neo_config`: global and local layers, a window of 4 so that short tests cross it.
 TINY_CONFIG: dict[str, Any] = dict(
@@ -89,14 +101,205 @@ def reference_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.
 
 @torch.no_grad()
 def reference_greedy(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 16
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 16,
+    *,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
 ) -> torch.Tensor:
-    """Greedy decoding by full recompute: every step reruns the whole sequence.  Returns prompt + new tokens."""
+    """Greedy decoding by full recompute: every step reruns the whole sequence.  Returns prompt + new tokens.
+
+    With ``eos_token_id`` it ends rows the way ``generate`` does: after a row's end-of-sequence token it gets
+    ``pad_token_id`` (default: the first eos id), and decoding stops once every row has ended.
+    """
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    eos = _ids(eos_token_id)
+    if pad_token_id is None and eos:
+        pad_token_id = eos[0]
     sequences, mask = input_ids, attention_mask
+    ended = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new_tokens):
-        next_tokens = reference_logits(model, sequences, mask)[:, -1].argmax(-1, keepdim=True)
-        sequences = torch.cat([sequences, next_tokens], dim=-1)
+        next_tokens = reference_logits(model, sequences, mask)[:, -1].argmax(-1)
+        if eos:
+            next_tokens = torch.where(ended, torch.full_like(next_tokens, pad_token_id), next_tokens)  # type: ignore[arg-type]
+            ended = ended | torch.isin(next_tokens, torch.tensor(eos, device=next_tokens.device))
+        sequences = torch.cat([sequences, next_tokens[:, None]], dim=-1)
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+        if eos and bool(ended.all()):
+            break
     return sequences
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    if isinstance(value, (list, tuple, set)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+# -- assertions for your own CI --------------------------------------------------------------------------------------
+
+_SAMPLING = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1}
+
+
+def assert_generation_consistent(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 16,
+    **generate_kwargs: Any,
+) -> None:
+    """Check that cached ``model.generate`` (greedy) produces exactly the tokens of the full-recompute reference.
+
+    Runs ``model.generate(input_ids, attention_mask=..., max_new_tokens=..., do_sample=False, **generate_kwargs)``
+    under :func:`neofix.trace`, then :func:`reference_greedy` (one cache-free forward per token, mask-derived
+    positions, rows ending at ``eos_token_id`` as generate ends them).  On a difference it raises
+    ``AssertionError`` naming the first diverging step and row, the two tokens, how strongly the reference prefers
+    its token, and the shapes of the forward that produced it.
+
+    ``generate_kwargs`` must keep decoding greedy and the scores unprocessed (``assistant_model=``,
+    ``prompt_lookup_num_tokens=``, ``eos_token_id=``, ``pad_token_id=`` are fine; sampling and beams are refused,
+    logits processors would make the comparison meaningless).  Compare exactly only where the top two logits never
+    sit within rounding of each other: a float64 or sharpened model (like ``gpt_neo_tiny``) is safest; the message
+    reports the reference's margin so that a near-tie can be told from a bug.
+    """
+    from ._trace import trace
+
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"assert_generation_consistent: input_ids must be a (batch, length) tensor, got {shape}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"assert_generation_consistent: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    for name, greedy in _SAMPLING.items():
+        if name in generate_kwargs and generate_kwargs[name] not in (None, greedy):
+            raise ValueError(
+                f"assert_generation_consistent compares greedy decoding with its reference: {name}="
+                f"{generate_kwargs[name]!r} is not greedy (leave it out)"
+            )
+    if getattr(model, "training", False):
+        raise ValueError("assert_generation_consistent: the model is in training mode (dropout); call model.eval()")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    eos = generate_kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+    pad = generate_kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+    if pad is None and _ids(eos):
+        pad = _ids(eos)[0]
+    kwargs = {**_SAMPLING, "max_new_tokens": max_new_tokens, **generate_kwargs}
+    if pad is not None:
+        kwargs["pad_token_id"] = pad
+
+    with torch.no_grad(), trace(model) as steps:
+        output = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    generated = getattr(output, "sequences", output)
+    expected = reference_greedy(
+        model, input_ids, attention_mask, max_new_tokens, eos_token_id=eos, pad_token_id=pad
+    ).to(generated.device)
+
+    prompt = input_ids.shape[1]
+    common = min(generated.shape[1], expected.shape[1])
+    differs = generated[:, prompt:common] != expected[:, prompt:common]
+    if not bool(differs.any()):
+        if generated.shape[1] != expected.shape[1]:
+            raise AssertionError(
+                f"cached generation produced {generated.shape[1] - prompt} new tokens, the full-recompute reference "
+                f"{expected.shape[1] - prompt} (the tokens they share agree): a stopping criterion the reference does "
+                f"not know about?\n{_describe_trace(steps)}"
+            )
+        return
+    step = int(differs.any(0).nonzero()[0, 0])
+    rows = differs[:, step].nonzero()[:, 0].tolist()
+    row = rows[0]
+    column = prompt + step
+    got, want = int(generated[row, column]), int(expected[row, column])
+    lines = [
+        f"cached generation differs from the full-recompute reference: first at step {step} (new token {step}, "
+        f"sequence column {column}), row {row}: generate produced {got}, the reference {want}"
+        + (f"; rows differing at that step: {rows}" if len(rows) > 1 else "")
+    ]
+    ended = bool(set(_ids(eos)) & set(expected[row, prompt:column].tolist()))
+    if not ended:
+        logits = reference_logits(model, expected[row : row + 1, :column], _reference_mask(attention_mask, row, column))
+        margin = float(logits[0, -1, want] - logits[0, -1, got])
+        lines.append(
+            f"the reference prefers {want} over {got} by {margin:.6g} logits"
+            + (" (within rounding: a near-tie, not necessarily a bug)" if margin < _tie(logits) else "")
+        )
+    producer = _producer(steps, column)
+    lines.append(
+        f"the forward that produced it: {producer}" if producer is not None else "no traced forward produced it"
+    )
+    lines.append(_describe_trace(steps))
+    raise AssertionError("\n".join(lines))
+
+
+def _reference_mask(attention_mask: torch.Tensor, row: int, column: int) -> torch.Tensor:
+    mask = attention_mask[row : row + 1]
+    extra = column - mask.shape[1]
+    return torch.cat([mask, mask.new_ones((1, extra))], dim=-1) if extra > 0 else mask[:, :column]
+
+
+def _tie(logits: torch.Tensor) -> float:
+    scale = max(1.0, float(logits[0, -1].abs().max()))
+    return float(torch.finfo(logits.dtype).eps) ** 0.5 * scale
+
+
+def _producer(steps: list[Any], column: int) -> Any:
+    """The last traced forward whose logits predicted sequence ``column`` (it fed columns cached .. cached+new-1)."""
+    found = None
+    for step in steps:
+        if step.cached_tokens is not None and step.cached_tokens + 1 <= column <= step.cached_tokens + step.new_tokens:
+            found = step
+    return found
+
+
+def _describe_trace(steps: list[Any], limit: int = 40) -> str:
+    if not steps:
+        return "neofix.trace recorded no forward (a compiled or traced model?)"
+    shown = [f"  {step}" for step in steps[:limit]]
+    more = [f"  ... {len(steps) - limit} more"] if len(steps) > limit else []
+    return "\n".join([f"trace ({len(steps)} forwards):", *shown, *more])
+
+
+def assert_steps_aligned(steps: Any) -> None:
+    """Check a trace recorded by :func:`neofix.trace` against the decoding step contract.
+
+    * after a prefill (a step with an empty cache), every step feeds one new token per row;
+    * the attention mask passed covers exactly the cached plus the new tokens;
+    * positions advance by one per real token: each row's last position is its number of real (unmasked) tokens
+      minus one.
+
+    Raises ``AssertionError`` listing every violation with the step's shapes.  An empty trace fails too: a guard that
+    saw nothing guards nothing.  Multi-token verification steps (assisted decoding, prompt lookup) fail the first
+    guard by design.
+    """
+    steps = list(steps)
+    if not steps:
+        raise AssertionError("assert_steps_aligned: the trace is empty (did the model run inside neofix.trace?)")
+    problems = []
+    for step in steps:
+        cached, new = step.cached_tokens, step.new_tokens
+        if cached and new != 1:
+            problems.append(f"step {step.index} feeds {new} new tokens per row after the prefill; expected 1")
+        if cached is not None and step.mask_length_given is not None and step.mask_length_given != cached + new:
+            problems.append(
+                f"step {step.index}: the attention mask passed has {step.mask_length_given} columns, but the cache "
+                f"holds {cached} tokens and the step feeds {new}: expected {cached + new}"
+                + (" (neofix extended it)" if "mask_extended" in step.repairs else "")
+            )
+        if step.last_positions is not None and step.real_tokens is not None:
+            for row, (last, real) in enumerate(zip(step.last_positions, step.real_tokens)):
+                if real and last != real - 1:
+                    problems.append(
+                        f"step {step.index}, row {row}: the last new token is at position {last}, but the mask holds "
+                        f"{real} real tokens: expected {real - 1} (positions must advance by one per real token)"
+                    )
+                    break
+    if problems:
+        raise AssertionError("\n".join(["decoding steps are not aligned:", *problems, _describe_trace(steps)]))

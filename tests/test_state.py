@@ -1,0 +1,529 @@
+"""neofix.DecodeState: hand-written loops against the full-recompute reference, token for token.
+
+Every loop runs with neofix patched and unpatched (DecodeState must not depend on the patch), with the cache
+handed back as the model output, as the cache itself, as legacy tuples and as Cache objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+import pytest
+import torch
+
+import neofix
+from neofix import DecodeState
+from neofix.testing import reference_greedy, reference_logits, reference_positions, tiny_gpt_neo
+
+from ._versions import as_cache_object, cache_keyword, has, legacy, output_cache, requires
+from .loops import left_padded_batch
+
+STEPS = 8
+PAD = 0
+# GPT-Neo computes attention scores in float32 even in a float64 model: cached and full-recompute logits (scaled by
+# the sharpened output layer) agree to about 1e-4.  Tokens are compared exactly.
+TOLERANCE = dict(rtol=1e-4, atol=1e-3)
+FORMATS = ["output", "cache", "legacy", pytest.param("object", marks=requires("Cache objects"))]
+
+
+@pytest.fixture(params=["patched", "vanilla"])
+def mode(request):
+    """Run the test body with neofix patched and unpatched."""
+    if request.param == "vanilla":
+        request.getfixturevalue("vanilla")
+    return request.param
+
+
+@pytest.fixture
+def net(mode, model):
+    """The model of the test: float64, except unpatched on the releases whose float64 mask helper is broken."""
+    if mode == "vanilla" and has("float64 mask bug"):
+        return tiny_gpt_neo(seed=0, dtype=torch.float32)
+    return model
+
+
+def hand_back(out, cache_format):
+    """What the loop passes to advance(): the output, or its cache in the given format."""
+    if cache_format == "output":
+        return out
+    cache = output_cache(out)
+    if cache_format == "legacy":
+        return legacy(cache)
+    if cache_format == "object":
+        return as_cache_object(cache)
+    return cache
+
+
+@torch.no_grad()
+def greedy_loop(model, ids, mask, steps=STEPS, cache_format="output", finish_at=None):
+    """A DecodeState greedy loop.  ``finish_at[row]``: the step from which that row is finished (appends PAD).
+
+    Returns the state and, per step, the logits the cached forward produced for each row's next token.
+    """
+    state = DecodeState(ids, mask)
+    out = model(**state.model_inputs())
+    logits = [out.logits[:, -1]]
+    for step in range(steps):
+        tokens = out.logits[:, -1].argmax(-1)
+        finished = None
+        if finish_at is not None:
+            finished = torch.tensor([step >= at for at in finish_at])
+            tokens = torch.where(finished, torch.full_like(tokens, PAD), tokens)
+        state.advance(tokens, hand_back(out, cache_format), finished=finished)
+        out = model(**state.model_inputs())
+        logits.append(out.logits[:, -1])
+    return state, torch.stack(logits, dim=1)
+
+
+# -- the reference ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_format", FORMATS)
+def test_left_padded_loop_equals_reference(net, cache_format):
+    ids, mask = left_padded_batch([6, 3, 5])
+    state, _ = greedy_loop(net, ids, mask, cache_format=cache_format)
+    assert torch.equal(state.sequences, reference_greedy(net, ids, mask, STEPS))
+    assert torch.equal(state.attention_mask, torch.cat([mask, torch.ones(3, STEPS, dtype=torch.long)], -1))
+
+
+def test_loop_logits_equal_reference(net):
+    """Not only the tokens: every cached step's logits equal the full recompute's."""
+    ids, mask = left_padded_batch([6, 2, 4])
+    state, logits = greedy_loop(net, ids, mask)
+    full = reference_logits(net, state.sequences, state.attention_mask)[:, ids.shape[1] - 1 :]
+    torch.testing.assert_close(logits, full, **TOLERANCE)
+
+
+def test_unpadded_without_mask(net):
+    ids, mask = left_padded_batch([5, 5])
+    state, _ = greedy_loop(net, ids, None)
+    assert torch.equal(state.sequences, reference_greedy(net, ids, mask, STEPS))
+
+
+def test_batch_of_one_long_enough_to_cross_the_local_window(net):
+    ids, mask = left_padded_batch([3])
+    state, _ = greedy_loop(net, ids, mask, steps=12)  # window_size is 4: local layers must drop old tokens
+    assert torch.equal(state.sequences, reference_greedy(net, ids, mask, 12))
+
+
+def test_strict_mode_has_nothing_to_repair(model, strict):
+    ids, mask = left_padded_batch([6, 3, 5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", neofix.NeofixWarning)
+        state, _ = greedy_loop(model, ids, mask)
+    assert torch.equal(state.sequences, reference_greedy(model, ids, mask, STEPS))
+
+
+def test_vanilla_loop_without_the_state_is_wrong(model, vanilla):
+    """The same loop written naively (prompt mask, no positions) is wrong unpatched: DecodeState is what fixes it."""
+    ids, mask = left_padded_batch([6, 3, 5])
+    if has("float64 mask bug"):
+        model = tiny_gpt_neo(seed=0, dtype=torch.float32)
+    expected = reference_greedy(model, ids, mask, STEPS)
+    tokens, cache = ids, None
+    try:
+        with torch.no_grad():
+            generated = []
+            for _ in range(STEPS):
+                kwargs = {} if cache is None else {cache_keyword(): cache}
+                out = model(input_ids=tokens, attention_mask=mask, use_cache=True, **kwargs)
+                cache = output_cache(out)
+                tokens = out.logits[:, -1:].argmax(-1)
+                generated.append(tokens)
+        assert not torch.equal(torch.cat([ids, *generated], -1), expected)
+    except RuntimeError:
+        pass  # up to transformers 5.0 the stale mask fails with a shape RuntimeError
+
+
+# -- model_inputs ----------------------------------------------------------------------------------------------------
+
+
+def test_model_inputs_prefill_then_decode(model):
+    ids, mask = left_padded_batch([4, 2])
+    state = DecodeState(ids, mask)
+    first = state.model_inputs()
+    assert set(first) == {"input_ids", "attention_mask", "position_ids", "use_cache"}
+    assert torch.equal(first["input_ids"], ids)
+    assert torch.equal(first["attention_mask"], mask)
+    assert torch.equal(first["position_ids"], reference_positions(mask))
+    assert first["use_cache"] is True
+    with torch.no_grad():
+        out = model(**first)
+    state.advance(torch.tensor([[7], [9]]), out)  # (batch, 1) works as well as (batch,)
+    second = state.model_inputs()
+    keyword = cache_keyword()
+    assert set(second) == {"input_ids", "attention_mask", "position_ids", "use_cache", keyword}
+    assert torch.equal(second["input_ids"], torch.tensor([[7], [9]]))
+    assert second["attention_mask"].shape == (2, 5)
+    assert torch.equal(second["position_ids"], torch.tensor([[4], [2]]))
+    assert second[keyword] is state.cache
+    assert torch.equal(state.sequences, torch.cat([ids, torch.tensor([[7], [9]])], -1))
+    assert repr(state) == "DecodeState(batch=2, tokens=5, cached=4)"
+
+
+def test_cache_keyword_is_what_the_release_prefers():
+    from transformers import GPTNeoForCausalLM
+    import inspect
+
+    parameters = inspect.signature(GPTNeoForCausalLM.forward).parameters
+    state = DecodeState(torch.tensor([[1, 2]]))
+    state._cache = object()  # any cache: only the keyword matters here
+    (keyword,) = set(state.model_inputs()) - {"input_ids", "attention_mask", "position_ids", "use_cache"}
+    assert keyword in parameters
+    assert keyword == ("cache" if "cache" in parameters else "past_key_values")
+
+
+@pytest.mark.parametrize("cache_format", ["output", "legacy"])
+def test_no_deprecation_warning(net, cache_format):
+    """Warnings as errors, and nothing deprecated logged by transformers (cache keyword, tuple caches)."""
+    from transformers.utils import logging as hf_logging
+
+    warning_once = getattr(logging.Logger, "warning_once", None)
+    if hasattr(warning_once, "cache_clear"):
+        warning_once.cache_clear()  # transformers logs each deprecation once per process
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = hf_logging.get_logger("transformers")
+    logger.addHandler(handler)
+    try:
+        ids, mask = left_padded_batch([5, 3])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            state, _ = greedy_loop(net, ids, mask, steps=3, cache_format=cache_format)
+    finally:
+        logger.removeHandler(handler)
+    messages = [record.getMessage() for record in records]
+    assert not [m for m in messages if "deprecat" in m.lower() or "tuple" in m.lower()], messages
+    assert torch.equal(state.sequences, reference_greedy(net, ids, mask, 3))
+
+
+def test_the_cache_is_handed_on_not_copied(model):
+    ids, mask = left_padded_batch([4, 2])
+    state = DecodeState(ids, mask)
+    with torch.no_grad():
+        for _ in range(3):
+            out = model(**state.model_inputs())
+            state.advance(out.logits[:, -1].argmax(-1), out)
+            if state.cache is not output_cache(out):  # only a prefill's tuple, converted once to a Cache object
+                assert isinstance(output_cache(out), tuple) and state.sequences.shape[1] == 5
+    assert state.cache is output_cache(out)
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's value on the host (a device synchronisation on an accelerator) made
+    from neofix._state."""
+
+    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "torch":
+                frame = frame.f_back
+            if frame is not None and frame.f_globals.get("__name__") == "neofix._state":
+                self.reads.append(f"{func.__name__} at line {frame.f_lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_steps_read_nothing_back_from_the_device(model):
+    """model_inputs() and advance() (with finished rows) never synchronise; only the prompt's mask is read once."""
+    ids, mask = left_padded_batch([5, 3])
+    with HostReads() as start:
+        state = DecodeState(ids, mask)
+    assert len(start.reads) == 1  # the 0/1 check of the prompt's mask
+    with torch.no_grad():
+        out = model(**state.model_inputs())
+        with HostReads() as steps:
+            for step in range(3):
+                state.advance(out.logits[:, -1].argmax(-1), out, finished=torch.tensor([False, step > 0]))
+                inputs = state.model_inputs()
+                out = model(**inputs)
+    assert steps.reads == []
+
+
+# -- finished rows ---------------------------------------------------------------------------------------------------
+#
+# The correct reference for a finished row: its tokens up to the step it finished are the full-recompute greedy
+# tokens (rows of a batch are independent), the tokens appended after it are masked out (mask 0), and every later
+# cached forward equals a full recompute over the same sequences with the same mask, positions derived from it: the
+# masked tokens are invisible to every later token and do not move the row's position.  Other rows are unaffected.
+
+
+def test_finished_rows(net, mode):
+    ids, mask = left_padded_batch([6, 3, 5, 4])
+    finish_at = [STEPS, 2, 5, 0]  # row 0 never finishes, row 3 finishes at once
+    state, logits = greedy_loop(net, ids, mask, finish_at=finish_at)
+    expected = reference_greedy(net, ids, mask, STEPS)
+    prompt = ids.shape[1]
+    for row, at in enumerate(finish_at):
+        assert torch.equal(state.sequences[row, : prompt + at], expected[row, : prompt + at]), row
+        assert (state.sequences[row, prompt + at :] == PAD).all()
+        assert (state.attention_mask[row, prompt + at :] == 0).all()
+        assert (state.attention_mask[row, prompt : prompt + at] == 1).all()
+    # every cached step equals the full recompute over the same sequences and mask, finished rows included
+    full = reference_logits(net, state.sequences, state.attention_mask)[:, prompt - 1 :]
+    torch.testing.assert_close(logits, full, **TOLERANCE)
+    # and that reference does see the masking: unmasked, the finished rows would have other logits
+    unmasked = reference_logits(net, state.sequences, torch.ones_like(state.attention_mask))[:, prompt - 1 :]
+    assert (unmasked[1, 3:] - full[1, 3:]).abs().max() > 1
+    torch.testing.assert_close(unmasked[0], full[0], **TOLERANCE)
+
+
+def test_finished_row_position_does_not_advance(model):
+    ids, mask = left_padded_batch([4, 2])
+    state = DecodeState(ids, mask)
+    positions = []
+    with torch.no_grad():
+        out = model(**state.model_inputs())
+        for _ in range(3):
+            state.advance(torch.tensor([5, PAD]), out, finished=torch.tensor([False, True]))
+            inputs = state.model_inputs()
+            positions.append(inputs["position_ids"][:, 0].tolist())
+            out = model(**inputs)
+    assert positions == [[4, 1], [5, 1], [6, 1]]
+
+
+def test_all_rows_unfinished_is_the_same_as_no_finished(model):
+    ids, mask = left_padded_batch([6, 3])
+    plain, _ = greedy_loop(model, ids, mask, steps=4)
+    marked, _ = greedy_loop(model, ids, mask, steps=4, finish_at=[99, 99])
+    assert torch.equal(plain.sequences, marked.sequences)
+    assert torch.equal(plain.attention_mask, marked.attention_mask)
+
+
+# -- reorder (beam-style loops) --------------------------------------------------------------------------------------
+
+BEAMS = [[2, 0, 0], [1, 1, 2], [0, 2, 1], [2, 2, 2], [0, 1, 2], [1, 0, 0]]
+
+
+@torch.no_grad()
+def beam_style_loop(model, ids, mask, cache_format, when):
+    """Each step the rows are reselected by BEAMS[step]; a new row's token is the greedy token of its source row.
+
+    when="between": reorder between the forward and advance (beam search).  "after": after advance, with the
+    tokens chosen for the source rows.
+    """
+    state = DecodeState(ids, mask)
+    out = model(**state.model_inputs())
+    cached = [out.logits[:, -1]]
+    for beam in BEAMS:
+        index = torch.tensor(beam)
+        greedy = out.logits[:, -1].argmax(-1)
+        if when == "between":
+            state.reorder(index)
+            state.advance(greedy[index], hand_back(out, cache_format))
+        else:
+            state.advance(greedy, hand_back(out, cache_format))
+            state.reorder(index)
+        out = model(**state.model_inputs())
+        cached.append(out.logits[:, -1])
+    return state, torch.stack(cached, 1)
+
+
+@pytest.mark.parametrize("when", ["between", "after"])
+@pytest.mark.parametrize("cache_format", FORMATS)
+def test_beam_style_reorder(net, cache_format, when):
+    ids, mask = left_padded_batch([6, 3, 5])
+    state, cached = beam_style_loop(net, ids, mask, cache_format, when)
+    prompt = ids.shape[1]
+    full = reference_logits(net, state.sequences, state.attention_mask)
+    # every generated token is the full-recompute greedy token of its own row's prefix ...
+    assert torch.equal(full[:, prompt - 1 : -1].argmax(-1), state.sequences[:, prompt:])
+    # ... and the last cached forward saw exactly that row's history
+    torch.testing.assert_close(cached[:, -1], full[:, -1], **TOLERANCE)
+    # the rows really were reselected: row 0's history follows the beams back
+    source = 0
+    for beam in reversed(BEAMS):
+        source = beam[source]
+    assert torch.equal(state.sequences[0, :prompt], ids[source])
+
+
+@pytest.mark.parametrize("cache_format", FORMATS)
+def test_reorder_can_drop_rows(model, cache_format):
+    ids, mask = left_padded_batch([6, 3, 5])
+    state = DecodeState(ids, mask)
+    with torch.no_grad():
+        out = model(**state.model_inputs())
+        state.advance(out.logits[:, -1].argmax(-1), hand_back(out, cache_format))
+        state.reorder(torch.tensor([2, 0]))  # drop row 1 (finished, say)
+        for _ in range(4):
+            out = model(**state.model_inputs())
+            state.advance(out.logits[:, -1].argmax(-1), hand_back(out, cache_format))
+    expected = reference_greedy(model, ids, mask, 5)[[2, 0]]
+    assert torch.equal(state.sequences, expected)
+    state.check()
+
+
+def test_reorder_before_the_first_forward(model):
+    ids, mask = left_padded_batch([6, 3])
+    state = DecodeState(ids, mask)
+    state.reorder(torch.tensor([1, 0, 1]))
+    state, _ = greedy_loop(model, state.sequences, state.attention_mask, steps=4)
+    assert torch.equal(state.sequences, reference_greedy(model, ids[[1, 0, 1]], mask[[1, 0, 1]], 4))
+
+
+# -- check -----------------------------------------------------------------------------------------------------------
+
+
+def prefilled(model, lengths=(4, 2)):
+    ids, mask = left_padded_batch(list(lengths))
+    state = DecodeState(ids, mask)
+    with torch.no_grad():
+        out = model(**state.model_inputs())
+    return state, out
+
+
+def test_check_accepts_the_state_and_its_own_cache(model):
+    state, out = prefilled(model)
+    state.check()  # nothing cached yet
+    state.advance(out.logits[:, -1].argmax(-1), out)
+    state.check()
+    state.check(state.cache)
+
+
+def test_check_rejects_a_cache_of_another_length(model):
+    state, out = prefilled(model)
+    state.advance(out.logits[:, -1].argmax(-1), out)
+    with torch.no_grad():
+        longer = output_cache(model(**state.model_inputs()))
+    longer = legacy(longer) if not isinstance(longer, tuple) else longer
+    with pytest.raises(neofix.CacheLengthError, match="the cache holds 5 tokens, but the state expected 4"):
+        state.check(longer)
+
+
+def test_check_between_a_forward_and_advance(model):
+    """A Cache object grows in place during the forward: check() then says to call advance() first."""
+    state, out = prefilled(model)
+    state.advance(out.logits[:, -1].argmax(-1), out)
+    with torch.no_grad():
+        out = model(**state.model_inputs())
+    if isinstance(state.cache, tuple):  # transformers < 4.45: the model returned a new tuple, the held one is intact
+        state.check()
+    else:
+        with pytest.raises(neofix.CacheLengthError, match=r"holds 5 tokens, but the state expected 4: .*advance\(\) first"):
+            state.check()
+    state.advance(out.logits[:, -1].argmax(-1), out)
+    state.check()
+
+
+def test_check_rejects_a_cache_of_another_batch(model):
+    state, out = prefilled(model)
+    state.advance(out.logits[:, -1].argmax(-1), out)
+    other, other_out = prefilled(model, (4, 2, 3))
+    with pytest.raises(neofix.BatchMismatchError, match="the cache holds 3 rows, but the state holds 2"):
+        state.check(other_out)
+
+
+# -- bad input: each gets a clear error ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ids, mask, error, message",
+    [
+        ([[1, 2]], None, TypeError, "input_ids must be a torch.Tensor, got list"),
+        (torch.ones(1, 3), None, TypeError, "input_ids must hold integer token ids, got dtype torch.float32"),
+        (torch.tensor([1, 2, 3]), None, neofix.InputShapeError, r"shape \(3,\); expected \(batch, length\) .*\[None\]"),
+        (torch.ones(1, 2, 3, dtype=torch.long), None, neofix.InputShapeError, r"shape \(1, 2, 3\)"),
+        (torch.ones(2, 0, dtype=torch.long), None, neofix.InputShapeError, "at least one row and one token"),
+        (torch.ones(2, 3, dtype=torch.long), [[1, 1, 1]], TypeError, "attention_mask must be a torch.Tensor"),
+        (torch.ones(2, 3, dtype=torch.long), torch.ones(3, 3), neofix.BatchMismatchError, "3 rows, but input_ids has 2"),
+        (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 4), neofix.MaskLengthError, "4 columns, but input_ids has 3"),
+        (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 1, 3), neofix.InputShapeError, "expected a 2D"),
+        (torch.ones(2, 3, dtype=torch.long), torch.tensor([[1, 2, 1], [1, 1, 1]]), neofix.NeofixError, r"\[0, 1\] is 2"),
+    ],
+)
+def test_bad_prompt(ids, mask, error, message):
+    with pytest.raises(error, match=message):
+        DecodeState(ids, mask)
+
+
+@pytest.mark.parametrize(
+    "tokens, finished, error, message",
+    [
+        ([1, 2], None, TypeError, "tokens must be a torch.Tensor, got list"),
+        (torch.tensor([1.0, 2.0]), None, TypeError, "tokens must hold integer token ids"),
+        (torch.tensor([[1, 2], [3, 4]]), None, neofix.InputShapeError, r"shape \(2, 2\); expected \(2,\) or \(2, 1\)"),
+        (torch.tensor(1), None, neofix.InputShapeError, r"shape \(\); expected"),
+        (torch.tensor([1, 2, 3]), None, neofix.BatchMismatchError, "tokens has 3 rows, but the state holds 2"),
+        (torch.tensor([1, 2]), torch.tensor([0, 1]), TypeError, "finished must be a bool tensor"),
+        (torch.tensor([1, 2]), [True, False], TypeError, "finished must be a torch.Tensor"),
+        (torch.tensor([1, 2]), torch.tensor([[True, False]]), neofix.InputShapeError, r"finished has shape \(1, 2\)"),
+        (torch.tensor([1, 2]), torch.tensor([True]), neofix.BatchMismatchError, "finished has 1 rows"),
+    ],
+)
+def test_bad_advance_tokens(model, tokens, finished, error, message):
+    state, out = prefilled(model)
+    with pytest.raises(error, match=message):
+        state.advance(tokens, out, finished=finished)
+    state.advance(torch.tensor([1, 2]), out)  # a failed advance leaves the state as it was
+    assert state.sequences.shape == (2, 5)
+
+
+def test_advance_needs_a_cache(model):
+    state = DecodeState(*left_padded_batch([4, 2]))
+    inputs = {**state.model_inputs(), "use_cache": False}
+    with torch.no_grad():
+        out = model(**inputs)
+    with pytest.raises(neofix.NeofixError, match="the model output carries no cache .* use_cache=True"):
+        state.advance(torch.tensor([1, 2]), out)
+
+
+def test_advance_rejects_a_plain_output_tuple(model):
+    state = DecodeState(*left_padded_batch([4, 2]))
+    with torch.no_grad():
+        out = model(**state.model_inputs(), return_dict=False)
+    with pytest.raises(TypeError, match=r"plain tuple \(return_dict=False\)"):
+        state.advance(torch.tensor([1, 2]), out)
+
+
+@pytest.mark.parametrize("out", [None, "cache", (), ((1, 2),)])
+def test_advance_rejects_what_is_not_a_cache(out):
+    state = DecodeState(torch.tensor([[1, 2], [3, 4]]))
+    with pytest.raises(TypeError, match="cache"):
+        state.advance(torch.tensor([1, 2]), out)
+
+
+def test_advance_twice_with_the_same_output(model):
+    state, out = prefilled(model)
+    state.advance(torch.tensor([1, 2]), out)
+    with pytest.raises(neofix.CacheLengthError, match="the cache holds 4 tokens, but the state expected 5"):
+        state.advance(torch.tensor([1, 2]), out)
+
+
+def test_advance_with_another_batch(model):
+    state, _ = prefilled(model)
+    _, other = prefilled(model, (4, 2, 3))
+    with pytest.raises(neofix.BatchMismatchError, match="the cache holds 3 rows, but the state holds 2"):
+        state.advance(torch.tensor([1, 2]), other)
+
+
+@pytest.mark.parametrize(
+    "index, error, message",
+    [
+        ([1, 0], TypeError, "beam_idx must be a torch.Tensor"),
+        (torch.tensor([1.0, 0.0]), TypeError, "beam_idx must hold integer"),
+        (torch.tensor([[1, 0]]), neofix.InputShapeError, r"shape \(1, 2\); expected a non-empty 1D"),
+        (torch.tensor([], dtype=torch.long), neofix.InputShapeError, r"shape \(0,\)"),
+        (torch.tensor([0, 2]), neofix.NeofixError, r"beam_idx\[1\] is 2, but the state holds 2 rows"),
+        (torch.tensor([-1, 0]), neofix.NeofixError, r"beam_idx\[0\] is -1"),
+    ],
+)
+def test_bad_reorder(model, index, error, message):
+    state, out = prefilled(model)
+    state.advance(torch.tensor([1, 2]), out)
+    before = state.sequences
+    with pytest.raises(error, match=message):
+        state.reorder(index)
+    assert state.sequences is before
+
+
+def test_errors_are_value_errors():
+    with pytest.raises(ValueError):
+        DecodeState(torch.tensor([1, 2]))

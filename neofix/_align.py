@@ -9,20 +9,22 @@ columns, ``P`` max_position_embeddings):
   ``m > p + q``: ambiguous, always an error.
 * position_ids missing: ``cumsum(mask) - 1`` over the whole mask, last ``q`` columns, pads clamped to 0.
   Length ``p + q``: the last ``q`` are taken (strict: error).  Any other length: re-derived (strict: error).
-* ``p + q > P``: error before any compute.  Batch mismatches, empty steps, wrong embedding widths: errors.
-* Value checks (token ids; with ``check_values`` also positions of real tokens) need one host-device
-  synchronisation, so they run on prefill and multi-token steps, and on single-token steps only with
-  ``check_values=True``.
+* ``p + q > P``: error before any compute.  Batch mismatches, cache layers of different lengths, empty steps,
+  wrong embedding widths: errors.
+* Value checks (token ids and the range of given positions; with ``check_values`` also the positions of real
+  tokens against the mask) need one host-device synchronisation, so they run on prefill and multi-token steps,
+  and on single-token steps only with ``check_values=True``.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from ._errors import (
     BatchMismatchError,
+    CacheLengthError,
     InputShapeError,
     MaskLengthError,
     PositionError,
@@ -50,6 +52,9 @@ class Limits(NamedTuple):
     max_positions: int
     vocab_size: int
     hidden_size: int
+
+
+_new_tuple = tuple.__new__
 
 
 class Aligned(NamedTuple):
@@ -82,12 +87,15 @@ def align(
     check_values: bool,
     token_type_ids: torch.Tensor | None = None,
     cache_position: torch.Tensor | None = None,
+    layer_lengths: Sequence[int | None] | None = None,
 ) -> Aligned | None:
     """Align one step, or raise :class:`~neofix.NeofixError`.
 
     ``past_length`` is the number of tokens the cache holds (0 without a cache, ``None`` when it cannot be told
-    without a device synchronisation: length checks are skipped then).  Returns ``None`` when there is nothing to
-    align (neither input_ids nor inputs_embeds: transformers raises its own error).
+    without a device synchronisation: length checks are skipped then).  ``layer_lengths`` are the tokens each cache
+    layer holds (``None`` for a layer that cannot be told): they must all equal ``past_length``, checked here, before
+    any layer appends to the cache.  Returns ``None`` when there is nothing to align (neither input_ids nor
+    inputs_embeds: transformers raises its own error).
     """
     # -- the new tokens -------------------------------------------------------------------------------------------
     if input_ids is not None:
@@ -101,7 +109,8 @@ def align(
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != limits.hidden_size:
             raise InputShapeError(
                 f"inputs_embeds has shape {tuple(inputs_embeds.shape)}, but this model expects "
-                f"(batch, new_tokens, {limits.hidden_size}) (config.hidden_size = {limits.hidden_size})"
+                f"(batch, new_tokens, {limits.hidden_size}) (config.hidden_size = {limits.hidden_size}): embed the "
+                f"tokens with this model's model.get_input_embeddings()"
             )
         batch, new = inputs_embeds.shape[0], inputs_embeds.shape[1]
     else:
@@ -116,6 +125,12 @@ def align(
             f"the cache holds {cache_batch} rows, but this step feeds {batch}: the cache, attention_mask and "
             f"inputs must hold the same rows (reorder or select the cache with the inputs, e.g. after beam search)"
         )
+    if layer_lengths is not None and past_length is not None:
+        # one pass in C for the usual case (every layer holds past_length, or cannot tell); the loop names the layer
+        if layer_lengths.count(past_length) + layer_lengths.count(None) != len(layer_lengths):
+            for layer, held in enumerate(layer_lengths):
+                if held is not None and held != past_length:
+                    raise_cache_length_error(layer, held, past_length)
 
     repairs: list[str] = []
     total = None if past_length is None else past_length + new
@@ -129,11 +144,14 @@ def align(
 
     # -- the attention mask ---------------------------------------------------------------------------------------
     mask = attention_mask
+    mask_2d = False
     if mask is not None:
-        if mask.dim() == 2:
+        mask_dim = mask.dim()
+        if mask_dim == 2:
+            mask_2d = True
             if mask.shape[0] != batch:
                 raise BatchMismatchError(
-                    f"attention_mask has {mask.shape[0]} rows, but this step feeds {batch}: "
+                    f"attention_mask has {_rows(mask.shape[0])}, but this step feeds {batch}: "
                     f"pass one mask row per input row"
                 )
             columns = mask.shape[1]
@@ -156,34 +174,36 @@ def align(
                     f"neofix: {expected}; extended it with ones on the right (the classic 'mask not extended' "
                     f"decoding bug). To fix your loop: {_FIX_MASK}. Reported once.",
                 )
-        elif mask.dim() in (3, 4):
+        elif mask_dim in (3, 4):
             if mask.shape[0] not in (1, batch):
                 raise BatchMismatchError(
-                    f"the {mask.dim()}D attention_mask has {mask.shape[0]} rows, but this step feeds {batch}"
+                    f"the {mask_dim}D attention_mask has {_rows(mask.shape[0])}, but this step feeds {batch}: pass "
+                    f"one mask row per input row (or one for all)"
                 )
             if mask.shape[-2] != new or (total is not None and mask.shape[-1] != total):
                 keys = "" if total is None else f", {total}"
                 raise MaskLengthError(
-                    f"the {mask.dim()}D attention_mask has shape {tuple(mask.shape)}, but this step needs "
+                    f"the {mask_dim}D attention_mask has shape {tuple(mask.shape)}, but this step needs "
                     f"(..., {new}{keys}): one row per new token and one column per cached plus new token "
-                    f"(the cache holds {past_length})"
+                    f"(the cache holds {past_length}); or pass the 2D (batch, cached + new tokens) padding mask and "
+                    f"let the model build the rest"
                 )
         else:
             raise InputShapeError(
                 f"attention_mask has shape {tuple(mask.shape)}; pass a 2D (batch, cached + new tokens) mask"
             )
-    mask_2d = mask is not None and mask.dim() == 2
 
     # -- positions ------------------------------------------------------------------------------------------------
     positions = position_ids
     given_positions = positions is not None
     if positions is not None:
-        if positions.dim() not in (1, 2):
+        positions_dim = positions.dim()
+        if positions_dim not in (1, 2):
             raise PositionError(f"position_ids has shape {tuple(positions.shape)}; expected (batch, new_tokens)")
-        rows = positions.shape[0] if positions.dim() == 2 else 1
+        rows = positions.shape[0] if positions_dim == 2 else 1
         if rows not in (1, batch):
             raise BatchMismatchError(
-                f"position_ids has {rows} rows, but this step feeds {batch}: pass one row per input row (or one "
+                f"position_ids has {_rows(rows)}, but this step feeds {batch}: pass one row per input row (or one "
                 f"row for all)"
             )
         length = positions.shape[-1]
@@ -236,23 +256,26 @@ def align(
     # -- values: one synchronisation, only where it is cheap or asked for ------------------------------------
     prefill = new > 1 or not past_length
     check_ids = input_ids is not None and (prefill or check_values)
+    check_range = given_positions and (prefill or check_values)  # given positions index the position table
     check_positions = check_values and given_positions and mask_2d
-    values_checked = check_ids or check_positions
+    values_checked = check_ids or check_range
     if values_checked:
         repaired = _check_values(
             input_ids if check_ids else None,
             token_type_ids if check_ids else None,
-            positions if check_positions else None,
-            mask,
+            positions if check_range else None,
+            mask if check_positions else None,
             new,
-            limits.vocab_size,
+            limits,
             strict,
         )
         if repaired is not None:
             positions = repaired
             repairs.append(POSITION_VALUES)
 
-    return Aligned(mask, positions, token_type_ids, cache_position, batch, new, tuple(repairs), values_checked)
+    # tuple.__new__ builds the same Aligned as Aligned(...) without the Python-level __new__ NamedTuple generates
+    aligned = (mask, positions, token_type_ids, cache_position, batch, new, tuple(repairs), values_checked)
+    return _new_tuple(Aligned, aligned)  # type: ignore[no-any-return]
 
 
 def _check_values(
@@ -261,12 +284,18 @@ def _check_values(
     positions: torch.Tensor | None,
     mask: torch.Tensor | None,
     new: int,
-    vocab_size: int,
+    limits: Limits,
     strict: bool,
 ) -> torch.Tensor | None:
-    """Check token ids and (when given) positions with one synchronisation; return repaired positions or None."""
-    id_tensors = [t for t in (input_ids, token_type_ids) if t is not None]
-    flags = [((ids < 0) | (ids >= vocab_size)).any() for ids in id_tensors]
+    """Check token ids, the range of given positions and (with ``mask``) their values with one synchronisation.
+
+    Returns repaired positions, or None when nothing was repaired.
+    """
+    named = (("input_ids", input_ids), ("token_type_ids", token_type_ids))
+    id_tensors = [(name, ids) for name, ids in named if ids is not None]
+    flags = [_outside(t, limits.vocab_size) for _, t in id_tensors]
+    if positions is not None:
+        flags.append(_outside(positions, limits.max_positions))
     derived = wrong = None
     if positions is not None and mask is not None:
         derived = derive_positions(mask, new)
@@ -275,9 +304,11 @@ def _check_values(
     if not flags:
         return None
     found = torch.stack(flags).tolist()  # the one synchronisation
-    for ids, bad in zip(id_tensors, found):
+    for (name, ids), bad in zip(id_tensors, found):
         if bad:
-            raise_token_id_error(ids, vocab_size)
+            raise_token_id_error(ids, limits.vocab_size, name=name)
+    if positions is not None and found[len(id_tensors)]:
+        raise_position_range_error(positions, limits.max_positions)
     if derived is None or not found[-1]:
         return None
     row, column = wrong.nonzero()[0].tolist()  # type: ignore[union-attr]
@@ -296,16 +327,83 @@ def _check_values(
     return derived
 
 
-def raise_token_id_error(ids: torch.Tensor, vocab_size: int, cause: BaseException | None = None) -> None:
-    """Raise :class:`TokenIdError` for the first id of ``ids`` outside ``[0, vocab_size)`` (if there is one)."""
-    bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+def _outside(values: torch.Tensor, size: int) -> torch.Tensor:
+    return ((values < 0) | (values >= size)).any()
+
+
+def _first_outside(values: torch.Tensor, size: int) -> tuple[str, int] | None:
+    """``("[row, column]", value)`` of the first entry outside ``[0, size)``, or None (synchronises)."""
+    bad = ((values < 0) | (values >= size)).nonzero()
     if not len(bad):
-        return
+        return None
     index = tuple(bad[0].tolist())
-    value = int(ids[index])
-    where = "input_ids[" + ", ".join(str(i) for i in index) + "]"
+    return "[" + ", ".join(str(i) for i in index) + "]", int(values[index])
+
+
+def _rows(count: int) -> str:
+    return f"{count} row{'s' if count != 1 else ''}"
+
+
+def raise_token_id_error(
+    ids: torch.Tensor, vocab_size: int, cause: BaseException | None = None, *, name: str = "input_ids"
+) -> None:
+    """Raise :class:`TokenIdError` for the first id of ``ids`` outside ``[0, vocab_size)`` (if there is one)."""
+    first = _first_outside(ids, vocab_size)
+    if first is None:
+        return
+    where, value = first
+    fix = (
+        "Check that the tokenizer belongs to this model (len(tokenizer) <= vocab_size) and that pad_token_id is a "
+        "valid id"
+        if name == "input_ids"
+        else "GPT-Neo embeds token types with the token embedding, so they must be token ids too"
+    )
     raise TokenIdError(
-        f"{where} is {value}, outside the vocabulary: config.vocab_size is {vocab_size}, so token ids must lie in "
-        f"[0, {vocab_size - 1}]. Check that the tokenizer belongs to this model (len(tokenizer) <= vocab_size) "
-        f"and that pad_token_id is a valid id"
+        f"{name}{where} is {value}, outside the vocabulary: config.vocab_size is {vocab_size}, so token ids must "
+        f"lie in [0, {vocab_size - 1}]. {fix}"
     ) from cause
+
+
+def raise_position_range_error(
+    positions: torch.Tensor, max_positions: int, cause: BaseException | None = None
+) -> None:
+    """Raise :class:`PositionError` for the first position outside ``[0, max_positions)`` (if there is one)."""
+    first = _first_outside(positions, max_positions)
+    if first is None:
+        return
+    where, value = first
+    raise PositionError(
+        f"position_ids{where} is {value}, outside the position table: config.max_position_embeddings is "
+        f"{max_positions}, so positions must lie in [0, {max_positions - 1}]. Derive them from the attention mask "
+        f"((mask.cumsum(-1) - 1).clamp(min=0)), or pass none and neofix derives them"
+    ) from cause
+
+
+def raise_cache_length_error(layer: Any, held: int, expected: int) -> None:
+    """Raise :class:`CacheLengthError`: cache ``layer`` holds ``held`` tokens where layer 0 holds ``expected``."""
+    raise CacheLengthError(
+        f"cache layer {layer} holds {held} tokens, but layer 0 holds {expected}: every layer of the cache must hold "
+        f"the same tokens (was it built for another model, or cropped or edited per layer?). Crop every layer to "
+        f"the same length, or rebuild the cache by running the whole sequence again"
+    )
+
+
+def explain_index_error(
+    cause: IndexError,
+    limits: Limits,
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> None:
+    """Turn an ``IndexError`` from an embedding lookup into the :class:`NeofixError` naming the bad value.
+
+    Steps that skipped the value checks (single-token decode steps, by default) reach the embedding with whatever
+    they were given; on the CPU an id or position outside its table surfaces as ``IndexError: index out of range in
+    self``.  Returns (the caller re-raises ``cause``) when every value is in range.
+    """
+    if input_ids is not None:
+        raise_token_id_error(input_ids, limits.vocab_size, cause)
+    if token_type_ids is not None:
+        raise_token_id_error(token_type_ids, limits.vocab_size, cause, name="token_type_ids")
+    if position_ids is not None:
+        raise_position_range_error(position_ids, limits.max_positions, cause)

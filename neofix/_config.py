@@ -37,11 +37,14 @@ def configure(*, mode: str | None = None, check_values: bool | None = None) -> d
         position ids) is repaired and a :class:`~neofix.NeofixWarning` is emitted once per kind of repair.
         ``"strict"``: every step that would need a repair raises :class:`~neofix.NeofixError` instead.
     check_values
-        ``False`` (default): token ids are range-checked on prefill and on every multi-token step (one
-        host-device synchronisation, negligible there); single-token decode steps get shape checks only, so they
-        add no synchronisation.  ``True``: every step also checks values: token ids, and that the position ids of
-        real (unmasked) tokens equal those derived from the attention mask (repaired in repair mode, an error in
-        strict mode).  Costs one synchronisation per step on an accelerator.
+        ``False`` (default): token ids, and position ids passed by the caller, are range-checked on prefill and on
+        every multi-token step (one host-device synchronisation, negligible there, and it keeps a bad id from
+        becoming a device-side assert); single-token decode steps get shape checks only, so they add no
+        synchronisation.  There, on the CPU, a bad id or position still becomes a ``TokenIdError`` /
+        ``PositionError`` (translated from the embedding's ``IndexError``); on an accelerator it is the device's
+        own error.  ``True``: every step also checks values: token ids, position ranges, and that the position ids
+        of real (unmasked) tokens equal those derived from the attention mask (repaired in repair mode, an error
+        in strict mode).  Costs one synchronisation per step on an accelerator.
     """
     previous = {"mode": settings.mode, "check_values": settings.check_values}
     if mode is not None:

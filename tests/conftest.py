@@ -38,3 +38,7 @@ def strict():
 def model():
     """The tiny float64 GPT-Neo every correctness test decodes with (read-only: do not train it)."""
     return tiny_gpt_neo(seed=0, dtype=DTYPE)
+
+
+# Hypothesis profiles (HYPOTHESIS_PROFILE=ci | dev | thorough; default ci): see tests/_hypothesis.py
+from . import _hypothesis  # noqa: E402,F401

@@ -1,0 +1,721 @@
+"""Every invalid step raises a ``NeofixError`` that names the offending value, what was expected and the fix.
+
+Each case of ``CASES`` (the shared tiny model: vocab_size 96, max_position_embeddings 64, hidden_size 32, 4 layers,
+caches of 2 rows x 5 tokens) is run twice:
+
+* patched: the error class and every part of the message (value, expectation, fix) are asserted, and the model's
+  weights, config and the cache passed in are exactly as before (a failed step changes nothing);
+* unpatched: vanilla transformers' outcome is recorded and must be one of the unhelpful outcomes listed for the case
+  (an ``IndexError`` / shape ``RuntimeError`` deep in the model, or ``"silent"``: it runs on garbage), which proves
+  neofix is what changes it.  Vanilla runs in float32: transformers 4.36 - 4.44 cannot run GPT-Neo in float64 at all.
+
+The value checks (``neofix.configure(check_values=...)``) are tested at the end, including that by default a
+single-token decode step adds no tensor -> Python conversion (no host-device synchronisation on an accelerator).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import neofix
+from neofix import _compat
+from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
+
+from ._versions import cache_keyword, has, legacy, output_cache, requires
+from .loops import left_padded_batch
+
+@pytest.fixture(scope="module")
+def model32():
+    """The same tiny GPT-Neo in float32, for vanilla runs (4.36 - 4.44 cannot run float64 GPT-Neo unpatched)."""
+    return tiny_gpt_neo(seed=0, dtype=torch.float32)
+
+
+# -- helpers -----------------------------------------------------------------------------------------------------
+
+
+def ones(*shape: int) -> torch.Tensor:
+    return torch.ones(*shape, dtype=torch.long)
+
+
+def as_object(cache: Any, model: Any) -> Any:
+    """The cache as a ``DynamicCache`` built for ``model`` (whatever the release returned)."""
+    return _compat.cache_from_legacy(legacy(cache), model.config)
+
+
+@torch.no_grad()
+def cached(model: Any, batch: int = 2, length: int = 5, fmt: str = "native") -> Any:
+    """The cache of a prompt, as the model returned it (native), as legacy tuples or as a Cache object."""
+    ids, mask = left_padded_batch([length] * batch, width=length)
+    cache = output_cache(model(input_ids=ids, attention_mask=mask, use_cache=True))
+    if fmt == "legacy":
+        return legacy(cache)
+    if fmt == "object":
+        return as_object(cache, model)
+    return cache
+
+
+def forward(model: Any, cache: Any = None, **kwargs: Any) -> Callable[[], Any]:
+    if cache is not None:
+        kwargs[cache_keyword()] = cache
+        kwargs.setdefault("use_cache", True)
+    return lambda: model(**kwargs)
+
+
+def cache_contents(cache: Any) -> Any:
+    """A deep copy of what a cache holds: every layer's key and value, and (Cache objects) each layer's length."""
+    if cache is None:
+        return None
+    layers = legacy(cache)
+    tensors = [None if k is None else (k.clone(), v.clone()) for k, v in layers]
+    lengths = None
+    if not isinstance(cache, tuple) and hasattr(cache, "get_seq_length"):
+        lengths = [cache.get_seq_length(i) for i in range(len(layers))]
+    return type(cache), tensors, lengths
+
+
+def assert_same_cache(before: Any, cache: Any) -> None:
+    after = cache_contents(cache)
+    if before is None:
+        assert after is None
+        return
+    assert before[0] is after[0]
+    assert before[2] == after[2], f"cache layer lengths changed: {before[2]} -> {after[2]}"
+    assert len(before[1]) == len(after[1])
+    for layer, (old, new) in enumerate(zip(before[1], after[1])):
+        assert (old is None) == (new is None), f"cache layer {layer} changed"
+        if old is not None:
+            assert torch.equal(old[0], new[0]) and torch.equal(old[1], new[1]), f"cache layer {layer} changed"
+
+
+def model_contents(model: Any) -> Any:
+    return (
+        {name: tensor.clone() for name, tensor in model.state_dict().items()},
+        model.config.to_dict(),
+        model.generation_config.to_dict(),
+        model.training,
+    )
+
+
+def assert_same_model(before: Any, model: Any) -> None:
+    weights, config, generation, training = before
+    now = model.state_dict()
+    assert now.keys() == weights.keys()
+    assert all(torch.equal(now[name], weights[name]) for name in weights), "the model's weights changed"
+    assert model.config.to_dict() == config
+    assert model.generation_config.to_dict() == generation
+    assert model.training == training
+
+
+def outcome(call: Callable[[], Any]) -> str:
+    """``"silent"`` when ``call`` runs, else the exception's class name."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            call()
+    except Exception as exc:  # noqa: BLE001 - any failure is the vanilla behaviour we record
+        if isinstance(exc, neofix.NeofixError):
+            return f"NeofixError?! {exc}"
+        return type(exc).__name__
+    return "silent"
+
+
+class Forwards:
+    """Counts ``GPTNeoModel`` forwards (a pre-hook runs before neofix's wrapper, so every call counts)."""
+
+    def __init__(self, model: Any) -> None:
+        self.count = 0
+        self.model = model
+
+    def __enter__(self) -> "Forwards":
+        self.handle = self.model.transformer.register_forward_pre_hook(self._hook)
+        return self
+
+    def _hook(self, *_: Any) -> None:
+        self.count += 1
+
+    def __exit__(self, *_: Any) -> None:
+        self.handle.remove()
+
+
+# -- the cases ---------------------------------------------------------------------------------------------------
+
+
+class Case(NamedTuple):
+    """``build(model) -> (call, cache the call is given)``; the call must raise ``error`` with every pattern."""
+
+    build: Callable[[Any], tuple[Callable[[], Any], Any]]
+    error: type
+    patterns: tuple[str, ...]  # regexes, each must match the message: the value, what was expected, the fix
+    vanilla: frozenset  # what unpatched transformers does on some release: exception names, or "silent"
+    mode: str = "repair"
+    check_values: bool = False
+
+
+def case(build, error, patterns, vanilla, **settings) -> Case:
+    return Case(build, error, tuple(patterns), frozenset(vanilla), **settings)
+
+
+def _resolve(kwargs: dict, model: Any) -> dict:
+    """Arguments may be callables of the model (a 4D mask in the model's dtype)."""
+    return {name: value(model) if callable(value) else value for name, value in kwargs.items()}
+
+
+def prefill(**kwargs: Any) -> Callable:
+    """A builder: one forward without a cache."""
+    return lambda m: (forward(m, **_resolve(kwargs, m)), None)
+
+
+def step(cache_of: Callable = None, **kwargs: Any) -> Callable:
+    """A builder: a cache (default: 2 rows x 5 tokens, as the model returns it), then one forward with it."""
+
+    def build(m):
+        cache = (cache_of or cached)(m)
+        return forward(m, cache, **_resolve(kwargs, m)), cache
+
+    return build
+
+
+def object_cache(m: Any) -> Any:
+    return cached(m, fmt="object" if has("Cache objects") else "legacy")
+
+
+def float_mask(*shape: int) -> Callable:
+    """An additive float mask (0: attend) in the model's dtype."""
+    return lambda m: torch.zeros(*shape, dtype=m.dtype)
+
+
+INDEX = {"IndexError"}
+SHAPE = {"RuntimeError"}
+TOKEN_ID = (r"vocab_size is 96", r"must lie in \[0, 95\]")
+TOKENIZER = r"tokenizer belongs to this model"
+FIX_MASK = r"append a column of ones per new token"
+
+CASES = {
+    # token ids out of the vocabulary: prefill, chunked prefill, decode steps (checked or translated), generate
+    "id >= vocab, prefill": case(
+        prefill(input_ids=torch.tensor([[1, 2, 96]]), attention_mask=ones(1, 3)),
+        neofix.TokenIdError,
+        [r"input_ids\[0, 2\] is 96", *TOKEN_ID, TOKENIZER],
+        INDEX,
+    ),
+    "id < 0, prefill without mask": case(
+        prefill(input_ids=torch.tensor([[1, -1, 3]])),
+        neofix.TokenIdError,
+        [r"input_ids\[0, 1\] is -1", *TOKEN_ID, TOKENIZER],
+        INDEX,
+    ),
+    "id >= vocab, chunked prefill": case(
+        step(input_ids=torch.tensor([[1, 2, 3], [4, 500, 6]]), attention_mask=ones(2, 8)),
+        neofix.TokenIdError,
+        [r"input_ids\[1, 1\] is 500", *TOKEN_ID, TOKENIZER],
+        INDEX,
+    ),
+    "id >= vocab, decode step (translated IndexError)": case(
+        step(input_ids=torch.tensor([[1], [96]]), attention_mask=ones(2, 6)),
+        neofix.TokenIdError,
+        [r"input_ids\[1, 0\] is 96", *TOKEN_ID, TOKENIZER],
+        INDEX,
+    ),
+    "id < 0, decode step, Cache object": case(
+        step(object_cache, input_ids=torch.tensor([[-7], [3]]), attention_mask=ones(2, 6)),
+        neofix.TokenIdError,
+        [r"input_ids\[0, 0\] is -7", *TOKEN_ID, TOKENIZER],
+        INDEX,
+    ),
+    "id >= vocab, decode step, check_values=True": case(
+        step(object_cache, input_ids=torch.tensor([[1], [99]]), attention_mask=ones(2, 6)),
+        neofix.TokenIdError,
+        [r"input_ids\[1, 0\] is 99", *TOKEN_ID, TOKENIZER],
+        INDEX,
+        check_values=True,
+    ),
+    "token_type_ids >= vocab": case(
+        prefill(input_ids=ones(1, 3), token_type_ids=torch.tensor([[0, 0, 96]])),
+        neofix.TokenIdError,
+        [r"token_type_ids\[0, 2\] is 96", *TOKEN_ID, r"embeds token types with the token embedding"],
+        INDEX,
+    ),
+    "id >= vocab, generate": case(
+        lambda m: (lambda: m.generate(torch.tensor([[5, 96, 7]]), max_new_tokens=3, pad_token_id=0), None),
+        neofix.TokenIdError,
+        [r"input_ids\[0, 1\] is 96", *TOKEN_ID, TOKENIZER],
+        INDEX,
+    ),
+    # position ids outside the position table
+    "position >= max_position_embeddings, prefill": case(
+        prefill(input_ids=ones(1, 3), position_ids=torch.tensor([[0, 1, 64]])),
+        neofix.PositionError,
+        [r"position_ids\[0, 2\] is 64", r"max_position_embeddings is 64", r"\[0, 63\]", r"pass none"],
+        INDEX,
+    ),
+    "position < 0, decode step (translated IndexError)": case(
+        step(input_ids=ones(2, 1), attention_mask=ones(2, 6), position_ids=torch.tensor([[5], [-1]])),
+        neofix.PositionError,
+        [r"position_ids\[1, 0\] is -1", r"max_position_embeddings is 64", r"\[0, 63\]", r"pass none"],
+        INDEX,
+    ),
+    # batch mismatches
+    "mask batch 3 != input batch 2, prefill": case(
+        prefill(input_ids=ones(2, 5), attention_mask=ones(3, 5)),
+        neofix.BatchMismatchError,
+        [r"attention_mask has 3 rows", r"this step feeds 2", r"pass one mask row per input row"],
+        SHAPE | {"silent"},  # a view RuntimeError up to 5.0; from 5.10 on it silently uses the first rows
+    ),
+    "mask batch 1 != input batch 2, decode step": case(
+        step(input_ids=ones(2, 1), attention_mask=ones(1, 6)),
+        neofix.BatchMismatchError,
+        [r"attention_mask has 1 row,", r"this step feeds 2", r"pass one mask row per input row"],
+        SHAPE | INDEX | {"silent"},  # RuntimeError 4.26 - 4.30, broadcast silently 4.36 - 5.0, IndexError 5.10 on
+    ),
+    "4D mask batch 3 != input batch 2": case(
+        step(input_ids=ones(2, 1), attention_mask=float_mask(3, 1, 1, 6)),
+        neofix.BatchMismatchError,
+        [r"4D attention_mask has 3 rows", r"this step feeds 2", r"one mask row per input row"],
+        SHAPE | {"ValueError"},  # transformers' own ValueError on 4.36 - 4.40, a RuntimeError elsewhere
+    ),
+    "position_ids batch 3 != input batch 2": case(
+        prefill(input_ids=ones(2, 5), attention_mask=ones(2, 5), position_ids=torch.arange(5).repeat(3, 1)),
+        neofix.BatchMismatchError,
+        [r"position_ids has 3 rows", r"this step feeds 2", r"pass one row per input row"],
+        SHAPE,
+    ),
+    "cache batch 3 != input batch 2": case(
+        step(lambda m: cached(m, batch=3), input_ids=ones(2, 1), attention_mask=ones(2, 6)),
+        neofix.BatchMismatchError,
+        [r"the cache holds 3 rows", r"this step feeds 2", r"select the cache with the inputs"],
+        SHAPE,
+    ),
+    # masks longer than cache + input (ambiguous), wrong 3D / 4D masks
+    "mask longer than cache + input, decode step": case(
+        step(input_ids=ones(2, 1), attention_mask=ones(2, 9)),
+        neofix.MaskLengthError,
+        [
+            r"attention_mask has 9 columns",
+            r"the cache holds 5 tokens and this step feeds 1: expected 6",
+            r"pass the mask of exactly the cached plus the new tokens",
+        ],
+        SHAPE | {"silent"},  # RuntimeError up to 4.40, silently accepted from 4.45 on
+    ),
+    "mask longer than input, prefill": case(
+        prefill(input_ids=ones(2, 5), attention_mask=ones(2, 7)),
+        neofix.MaskLengthError,
+        [r"attention_mask has 7 columns", r"holds 0 tokens and this step feeds 5: expected 5", r"pass the mask of"],
+        SHAPE | {"silent"},
+    ),
+    "prompt mask kept during chunked prefill": case(
+        step(lambda m: cached(m, length=4), input_ids=ones(2, 2), attention_mask=ones(2, 9)),
+        neofix.MaskLengthError,
+        [r"attention_mask has 9 columns", r"holds 4 tokens and this step feeds 2: expected 6", r"pass the mask of"],
+        SHAPE | {"silent"},
+    ),
+    "4D mask with the wrong key length": case(
+        step(input_ids=ones(2, 1), attention_mask=float_mask(2, 1, 1, 7)),
+        neofix.MaskLengthError,
+        [
+            r"4D attention_mask has shape \(2, 1, 1, 7\)",
+            r"this step needs \(\.\.\., 1, 6\)",
+            r"pass the 2D \(batch, cached \+ new tokens\) padding mask",
+        ],
+        SHAPE | {"ValueError", "silent"},  # silently accepted 4.45 - 5.0
+    ),
+    "3D mask with the wrong key length": case(
+        step(input_ids=ones(2, 1), attention_mask=ones(2, 1, 4)),
+        neofix.MaskLengthError,
+        [r"3D attention_mask has shape \(2, 1, 4\)", r"this step needs \(\.\.\., 1, 6\)", r"pass the 2D"],
+        SHAPE | INDEX | {"ValueError", "silent"},  # silently accepted on 4.40
+    ),
+    "4D mask with the wrong query length": case(
+        prefill(input_ids=ones(2, 5), attention_mask=float_mask(2, 1, 4, 5)),
+        neofix.MaskLengthError,
+        [r"4D attention_mask has shape \(2, 1, 4, 5\)", r"this step needs \(\.\.\., 5, 5\)", r"one row per new token"],
+        SHAPE | {"ValueError"},
+    ),
+    # cache layers of different lengths: named, and raised before any layer appends to the cache
+    "cache layer 2 shorter, legacy tuples": case(
+        step(lambda m: cropped(m, 2, "legacy"), input_ids=ones(2, 1), attention_mask=ones(2, 6)),
+        neofix.CacheLengthError,
+        [r"cache layer 2 holds 4 tokens", r"layer 0 holds 5", r"Crop every layer to the same length"],
+        SHAPE | {"silent", "AttributeError"},  # silent 4.45 - 4.53; 4.57 on reject the tuples (AttributeError)
+    ),
+    "cache layer 3 shorter, Cache object": case(
+        step(lambda m: cropped(m, 3, "object"), input_ids=ones(2, 1), attention_mask=ones(2, 6)),
+        neofix.CacheLengthError,
+        [r"cache layer 3 holds 4 tokens", r"layer 0 holds 5", r"rebuild the cache"],
+        SHAPE | {"silent"},  # silently runs on 4.45 - 5.0
+    ),
+    "cache layer 0 shorter": case(
+        step(lambda m: cropped(m, 0, "native"), input_ids=ones(2, 1), attention_mask=ones(2, 5)),
+        neofix.CacheLengthError,
+        [r"cache layer 1 holds 5 tokens", r"layer 0 holds 4", r"Crop every layer"],
+        SHAPE,
+    ),
+    "cache with fewer layers than the model": case(
+        step(lambda m: legacy(cached(m))[:3], input_ids=ones(2, 1), attention_mask=ones(2, 6)),
+        neofix.CacheLengthError,
+        [r"cache layer 3 holds 0 tokens", r"layer 0 holds 5", r"rebuild the cache"],
+        {"silent", "AttributeError"},  # 4.26 - 4.53 silently run layer 3 without its cache; 4.57 on reject tuples
+    ),
+    # empty steps, wrong embedding widths
+    "empty step with a cache": case(
+        step(input_ids=ones(2, 0), attention_mask=ones(2, 5)),
+        neofix.InputShapeError,
+        [r"feeds no new tokens \(input_ids has 0 columns, batch 2\)", r"needs at least one token", r"stop the loop"],
+        SHAPE,
+    ),
+    "empty prefill": case(
+        prefill(input_ids=ones(1, 0)),
+        neofix.InputShapeError,
+        [r"feeds no new tokens", r"at least one token", r"stop the loop"],
+        SHAPE | INDEX,
+    ),
+    "inputs_embeds of the wrong width": case(
+        prefill(inputs_embeds=lambda m: torch.zeros(2, 5, 31, dtype=m.dtype), attention_mask=ones(2, 5)),
+        neofix.InputShapeError,
+        [r"inputs_embeds has shape \(2, 5, 31\)", r"expects \(batch, new_tokens, 32\)", r"get_input_embeddings\(\)"],
+        SHAPE,
+    ),
+    # sequences past max_position_embeddings
+    "prefill longer than max_position_embeddings": case(
+        prefill(input_ids=ones(1, 65)),
+        neofix.SequenceTooLongError,
+        [r"would reach sequence length 65", r"is 64: 64 more new tokens fit", r"shorten the prompt"],
+        INDEX,
+    ),
+    "decode step past max_position_embeddings": case(
+        step(lambda m: cached(m, 1, 64), input_ids=ones(1, 1), attention_mask=ones(1, 65)),
+        neofix.SequenceTooLongError,
+        [r"length 65 \(the cache holds 64 tokens and the step feeds 1\)", r"is 64: 0 more", r"generate fewer tokens"],
+        INDEX,
+    ),
+    "chunk crossing max_position_embeddings": case(
+        step(lambda m: cached(m, 1, 61), input_ids=ones(1, 5), attention_mask=ones(1, 66)),
+        neofix.SequenceTooLongError,
+        [r"sequence length 66", r"is 64: 3 more new tokens fit", r"shorten the prompt"],
+        INDEX,
+    ),
+    # strict mode: every repair becomes an error
+    "strict: mask not extended": case(
+        step(input_ids=ones(2, 1), attention_mask=ones(2, 5)),
+        neofix.MaskLengthError,
+        [r"attention_mask has 5 columns", r"expected 6", FIX_MASK],
+        SHAPE | {"silent"},  # a RuntimeError up to 5.0; from 5.10 on silently different tokens
+        mode="strict",
+    ),
+    "strict: full-length position_ids": case(
+        step(input_ids=ones(2, 1), attention_mask=ones(2, 6), position_ids=torch.arange(6).repeat(2, 1)),
+        neofix.PositionError,
+        [r"position_ids has 6 columns", r"this step feeds 1 new tokens", r"pass only the new tokens' positions"],
+        SHAPE,  # in repair mode neofix takes the last column (tested in test_loops)
+        mode="strict",
+    ),
+    "strict: stale prompt position_ids": case(
+        step(input_ids=ones(2, 1), attention_mask=ones(2, 6), position_ids=torch.arange(5).repeat(2, 1)),
+        neofix.PositionError,
+        [r"position_ids has 5 columns", r"the cache holds 5", r"pass only the new tokens' positions"],
+        SHAPE,
+        mode="strict",
+    ),
+}
+
+
+@torch.no_grad()
+def cropped(model: Any, layer: int, fmt: str) -> Any:
+    """A cache of 5 tokens whose ``layer`` holds only 4 (layer 0 cropped: the others hold one more)."""
+    native = cached(model)
+    layers = legacy(native)
+    bad = tuple((k[..., 1:, :], v[..., 1:, :]) if i == layer else (k, v) for i, (k, v) in enumerate(layers))
+    if (fmt == "object" and has("Cache objects")) or (fmt == "native" and not isinstance(native, tuple)):
+        return as_object(bad, model)
+    return bad
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_invalid_step_raises_a_clear_error(model, model32, name):
+    spec = CASES[name]
+    neofix.configure(mode=spec.mode, check_values=spec.check_values)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' own deprecation warnings (tuple caches on 4.45 - 4.53)
+        call, cache = spec.build(model)
+    before_model, before_cache = model_contents(model), cache_contents(cache)
+    with pytest.raises(spec.error) as raised, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        call()
+    message = str(raised.value)
+    for pattern in spec.patterns:
+        assert re.search(pattern, message), f"{pattern!r} not in: {message}"
+    assert isinstance(raised.value, ValueError)
+    assert_same_model(before_model, model)
+    assert_same_cache(before_cache, cache)
+
+    neofix.unpatch()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            vanilla_call, _ = spec.build(model32)
+        vanilla = outcome(vanilla_call)
+    finally:
+        neofix.patch()
+    assert vanilla in spec.vanilla, f"vanilla transformers: {vanilla}; recorded: {sorted(spec.vanilla)}"
+
+
+def test_cases_cover_every_error_class():
+    """The table covers each error class neofix defines."""
+    classes = {spec.error for spec in CASES.values()}
+    assert classes == {
+        neofix.TokenIdError,
+        neofix.PositionError,
+        neofix.BatchMismatchError,
+        neofix.MaskLengthError,
+        neofix.CacheLengthError,
+        neofix.InputShapeError,
+        neofix.SequenceTooLongError,
+    }
+
+
+@pytest.mark.parametrize("fmt", ["legacy", pytest.param("object", marks=requires("Cache objects"))])
+def test_uneven_cache_is_refused_before_any_layer_runs(model, fmt):
+    """Checked up front: layers 0 and 1 must not append to the cache before layer 2 is found short."""
+    cache = cropped(model, 2, fmt)
+    before = cache_contents(cache)
+    ran = []
+    hooks = [block.attn.attention.register_forward_pre_hook(lambda *_: ran.append(1)) for block in model.transformer.h]
+    try:
+        expected = "cache layer 2 holds 4 tokens, but layer 0 holds 5"
+        with pytest.raises(neofix.CacheLengthError, match=expected), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(input_ids=ones(2, 1), attention_mask=ones(2, 6), use_cache=True, **{cache_keyword(): cache})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert ran == [], f"{len(ran)} attention layers ran before the error"
+    assert_same_cache(before, cache)
+
+
+@pytest.mark.skipif(not _compat.LEGACY_CACHE_REJECTED, reason="only transformers 4.54 and later reject tuple caches")
+def test_strict_legacy_cache_is_an_error(model):
+    neofix.configure(mode="strict")
+    cache = legacy(cached(model))
+    before = cache_contents(cache)
+    with pytest.raises(neofix.NeofixError, match=r"legacy tuple cache .* no longer accepts: pass the Cache object"):
+        model(input_ids=ones(2, 1), attention_mask=ones(2, 6), use_cache=True, **{cache_keyword(): cache})
+    assert_same_cache(before, cache)
+
+
+# -- generate: a length the model cannot reach is refused before any forward --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def short():
+    """A tiny GPT-Neo with 16 positions (float32: vanilla must run it on every release)."""
+    return tiny_gpt_neo(seed=3, dtype=torch.float32, max_position_embeddings=16)
+
+
+@pytest.mark.parametrize(
+    "kwargs, patterns",
+    [
+        (
+            dict(max_new_tokens=12),
+            [r"run to 18 tokens \(a 6-token prompt plus max_new_tokens=12\), feeding the model 17", r"is 16",
+             r"at most max_new_tokens=11 fit after this 6-token prompt"],
+        ),
+        (dict(max_length=20), [r"run to 20 tokens \(max_length=20\)", r"is 16", r"at most max_new_tokens=11 fit"]),
+    ],
+    ids=["max_new_tokens", "max_length"],
+)
+def test_generate_too_long_fails_before_any_forward(short, kwargs, patterns):
+    ids, mask = left_padded_batch([6, 3], vocab=96)
+    before = model_contents(short)
+    with Forwards(short) as forwards, pytest.raises(neofix.SequenceTooLongError) as raised:
+        short.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kwargs)
+    assert forwards.count == 0, "a forward ran before the length was refused"
+    for pattern in patterns:
+        assert re.search(pattern, str(raised.value)), str(raised.value)
+    assert_same_model(before, short)
+
+    # vanilla computes until the position table runs out, then fails with an IndexError (EOS held off)
+    neofix.unpatch()
+    try:
+        with Forwards(short) as forwards, pytest.raises(IndexError):
+            short.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, min_new_tokens=10, **kwargs)
+    finally:
+        neofix.patch()
+    assert forwards.count > 1
+
+
+def test_generate_prompt_longer_than_the_model(short):
+    with Forwards(short) as forwards, pytest.raises(neofix.SequenceTooLongError) as raised:
+        short.generate(ones(1, 17), max_new_tokens=1, do_sample=False, pad_token_id=0)
+    assert forwards.count == 0
+    assert re.search(r"the 17-token prompt alone is longer than that; shorten it", str(raised.value))
+
+
+@pytest.mark.parametrize("length", [6, 16])
+def test_generate_that_fits_exactly_runs(short, length):
+    """The last generated token is never fed back: a prompt of ``n`` tokens may ask for ``P - n + 1`` new ones."""
+    ids, mask = left_padded_batch([length, 3], vocab=96)
+    new = 16 - length + 1
+    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0, max_new_tokens=new, min_new_tokens=new)
+    out = short.generate(ids, **kwargs)
+    assert out.shape == (2, 17)
+    assert torch.equal(out, reference_greedy(short, ids, mask, new))
+    neofix.unpatch()
+    try:
+        assert torch.equal(out, short.generate(ids, **kwargs))  # vanilla runs it too
+    finally:
+        neofix.patch()
+
+
+# -- value checks: check_values=True compares given positions with the mask; the default stays sync-free ----------
+
+
+def frozen_loop(model, ids, mask, steps):
+    """A loop that feeds the same position every decode step (the prompt's last one): right length, wrong values."""
+    keyword = cache_keyword()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        last = reference_positions(mask)[:, -1:]
+        tokens = [out.logits[:, -1:].argmax(-1)]
+        for _ in range(steps - 1):
+            mask = torch.cat([mask, ones(mask.shape[0], 1)], -1)
+            out = model(
+                input_ids=tokens[-1], attention_mask=mask, position_ids=last, use_cache=True,
+                **{keyword: output_cache(out)},
+            )
+            tokens.append(out.logits[:, -1:].argmax(-1))
+    return torch.cat(tokens, -1)
+
+
+STEPS = 6
+
+
+def test_frozen_positions_repaired_with_check_values(model):
+    ids, mask = left_padded_batch([5, 3])
+    expected = reference_greedy(model, ids, mask, STEPS)[:, ids.shape[1]:]
+    neofix.configure(check_values=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = frozen_loop(model, ids, mask, STEPS)
+    assert torch.equal(got, expected)
+    repairs = [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
+    assert len(repairs) == 1, repairs  # reported once, not once per step
+    assert re.search(
+        r"position_ids\[0, 0\] is 4, but the attention mask puts that real token at position 5",
+        repairs[0],
+    )
+    assert "used the positions derived from the mask" in repairs[0]
+
+
+def test_frozen_positions_strict_with_check_values(model):
+    ids, mask = left_padded_batch([5, 3])
+    neofix.configure(mode="strict", check_values=True)
+    with pytest.raises(neofix.PositionError) as raised:
+        frozen_loop(model, ids, mask, STEPS)
+    message = str(raised.value)
+    assert re.search(r"position_ids\[0, 0\] is 4, but the attention mask puts that real token at position 5", message)
+    assert "positions must advance by one per real token" in message
+
+
+def test_frozen_positions_unchecked_by_default(model):
+    """Default: a decode step's position values are not read (that needs a sync), so the loop runs as given."""
+    ids, mask = left_padded_batch([5, 3])
+    expected = reference_greedy(model, ids, mask, STEPS)[:, ids.shape[1]:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", neofix.NeofixWarning)
+        got = frozen_loop(model, ids, mask, STEPS)
+    assert not torch.equal(got, expected)  # wrong positions, wrong tokens: only check_values=True catches it
+
+
+def test_check_values_leaves_well_formed_generate_alone(model):
+    ids, mask = left_padded_batch([6, 2, 4])
+    neofix.configure(mode="strict", check_values=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", neofix.NeofixWarning)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, pad_token_id=0)
+    assert torch.equal(out, reference_greedy(model, ids, mask, 5))
+
+
+class Conversions(TorchFunctionMode):
+    """Counts tensor -> Python conversions (each one is a host-device synchronisation on an accelerator).
+
+    ``by_neofix`` counts those whose first caller outside torch is neofix itself; ``total`` counts all of them.
+    """
+
+    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.by_neofix: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.NAMES:
+            self.total += 1
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "torch":
+                frame = frame.f_back
+            module = frame.f_globals.get("__name__", "") if frame is not None else ""
+            if module.startswith("neofix.") and module != "neofix.testing":
+                self.by_neofix.append(f"{name} in {module}:{frame.f_lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+def counted_loop(model, steps=3, cache_format="native"):
+    """A synced left-padded loop; returns (prefill conversions, [per decode step conversions])."""
+    ids, mask = left_padded_batch([5, 3])
+    keyword = cache_keyword()
+    with torch.no_grad():
+        with Conversions() as prefill:
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        decode = []
+        for _ in range(steps):
+            cache = output_cache(out)
+            if cache_format == "legacy":
+                cache = legacy(cache)
+            mask = torch.cat([mask, ones(2, 1)], -1)
+            token = out.logits[:, -1:].argmax(-1)
+            with warnings.catch_warnings(), Conversions() as step:
+                warnings.simplefilter("ignore")
+                out = model(input_ids=token, attention_mask=mask, use_cache=True, **{keyword: cache})
+            decode.append(step)
+    return prefill, decode
+
+
+@pytest.mark.parametrize("cache_format", ["native", "legacy"])
+def test_default_decode_steps_add_no_conversion(model, cache_format):
+    prefill, decode = counted_loop(model, cache_format=cache_format)
+    assert prefill.by_neofix, "prefill must always check token ids"
+    for step in decode:
+        assert step.by_neofix == [], step.by_neofix
+    # and the patched step converts exactly as often as vanilla's (vanilla 4.36 - 4.44 cannot run float64)
+    if cache_format == "native" and not has("float64 mask bug"):
+        neofix.unpatch()
+        try:
+            _, plain = counted_loop(model, cache_format=cache_format)
+        finally:
+            neofix.patch()
+        assert [step.total for step in decode] == [step.total for step in plain]
+
+
+def test_check_values_decode_steps_do_check(model):
+    """The positive control: with check_values=True each decode step synchronises once, in neofix."""
+    neofix.configure(check_values=True)
+    prefill, decode = counted_loop(model)
+    assert prefill.by_neofix
+    for step in decode:
+        assert len(step.by_neofix) == 1, step.by_neofix
+
+
+def test_default_is_documented():
+    from neofix._config import _Settings
+
+    fresh = _Settings()
+    assert (fresh.mode, fresh.check_values) == ("repair", False)
+    assert "``False`` (default)" in neofix.configure.__doc__

@@ -16,6 +16,7 @@ from typing import Any
 
 from ._config import configure
 from ._errors import (
+    AttentionWindowError,
     BatchMismatchError,
     CacheLengthError,
     InputShapeError,
@@ -30,6 +31,7 @@ from ._lifecycle import is_patched, patch, unpatch
 from ._version import __version__
 
 __all__ = [
+    "AttentionWindowError",
     "BatchMismatchError",
     "CacheLengthError",
     "DecodeState",

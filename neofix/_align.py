@@ -74,6 +74,27 @@ def derive_positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Ten
     return positions.clamp_(min=0)
 
 
+def _trailing_pads_as_transformers(
+    positions: torch.Tensor, mask: torch.Tensor, past_length: int, cache_position: torch.Tensor | None
+) -> torch.Tensor:
+    """Derived positions, except that pads after a row's last real token keep the positions transformers gives them.
+
+    A pad's position changes nothing for the real tokens (it is masked out), but it does change the pad's own
+    logits and hidden states, which some heads read (QA takes a softmax over every column, pads included).  An
+    unpadded or right-padded row then computes exactly what it computes unpatched, bit for bit.  transformers'
+    own positions when none are given: ``cache_position`` where the release passes it, else ``arange(p, p + q)``.
+    Elementwise only: no device synchronisation.
+    """
+    new = positions.shape[-1]
+    if cache_position is not None and cache_position.dim() == 1:
+        own = cache_position.unsqueeze(0)
+    else:
+        own = torch.arange(past_length, past_length + new, device=positions.device).unsqueeze(0)
+    real = mask[:, -new:] != 0
+    trailing = real.flip(-1).cumsum(-1).flip(-1) == 0  # no real token at or after this column
+    return torch.where(trailing, own.to(positions.dtype), positions)
+
+
 def align(
     *,
     input_ids: torch.Tensor | None,
@@ -193,6 +214,24 @@ def align(
                 f"attention_mask has shape {tuple(mask.shape)}; pass a 2D (batch, cached + new tokens) mask"
             )
 
+    # -- token types and cache positions (same length rules as positions) --------------------------------------
+    if token_type_ids is not None and token_type_ids.shape[-1] != new:
+        if not strict and total is not None and token_type_ids.shape[-1] == total:
+            token_type_ids = token_type_ids[..., -new:]
+            repairs.append(TOKEN_TYPES_SLICED)
+        else:
+            raise InputShapeError(
+                f"token_type_ids has {token_type_ids.shape[-1]} columns, but this step feeds {new} new tokens: "
+                f"pass the new tokens' types only"
+            )
+    if cache_position is not None and cache_position.shape[-1] != new:
+        described = f"cache_position has {cache_position.shape[-1]} entries, but this step feeds {new} new tokens"
+        if strict:
+            raise PositionError(f"{described}: pass cache_position for the new tokens only, or leave it out")
+        cache_position = None  # the model recomputes it from the cache length
+        repairs.append(CACHE_POSITION_DROPPED)
+        warn_once(CACHE_POSITION_DROPPED, f"neofix: {described}; left it out. Reported once.")
+
     # -- positions ------------------------------------------------------------------------------------------------
     positions = position_ids
     given_positions = positions is not None
@@ -229,29 +268,13 @@ def align(
     if positions is None:
         if mask_2d:
             positions = derive_positions(mask, new)
+            if past_length is not None:
+                positions = _trailing_pads_as_transformers(positions, mask, past_length, cache_position)
             repairs.append(POSITIONS_DERIVED)
         elif POSITIONS_REDERIVED in repairs and past_length is not None:
             # no 2D mask: every token is real, so positions simply continue after the cache
             device = input_ids.device if input_ids is not None else inputs_embeds.device  # type: ignore[union-attr]
             positions = torch.arange(past_length, total, device=device).unsqueeze(0)  # type: ignore[arg-type]
-
-    # -- token types and cache positions (same length rules as positions) --------------------------------------
-    if token_type_ids is not None and token_type_ids.shape[-1] != new:
-        if not strict and total is not None and token_type_ids.shape[-1] == total:
-            token_type_ids = token_type_ids[..., -new:]
-            repairs.append(TOKEN_TYPES_SLICED)
-        else:
-            raise InputShapeError(
-                f"token_type_ids has {token_type_ids.shape[-1]} columns, but this step feeds {new} new tokens: "
-                f"pass the new tokens' types only"
-            )
-    if cache_position is not None and cache_position.shape[-1] != new:
-        described = f"cache_position has {cache_position.shape[-1]} entries, but this step feeds {new} new tokens"
-        if strict:
-            raise PositionError(f"{described}: pass cache_position for the new tokens only, or leave it out")
-        cache_position = None  # the model recomputes it from the cache length
-        repairs.append(CACHE_POSITION_DROPPED)
-        warn_once(CACHE_POSITION_DROPPED, f"neofix: {described}; left it out. Reported once.")
 
     # -- values: one synchronisation, only where it is cheap or asked for ------------------------------------
     prefill = new > 1 or not past_length

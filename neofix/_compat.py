@@ -34,6 +34,19 @@ def _release() -> tuple[int, int]:
 #: From 4.54 GPT-Neo's forward rejects legacy tuple caches ("should be either a `Cache` object or `None`").
 LEGACY_CACHE_REJECTED = _release() >= (4, 54)
 
+#: Up to 4.44 GPT-Neo's forward reads 1D ``input_ids`` as one row (later releases fail on them).
+FLAT_INPUT_IDS_ACCEPTED = _release() < (4, 45)
+
+#: From 4.36 ``prepare_inputs_for_generation`` slices the uncached tokens itself (before, only the last one was fed).
+GENERATE_SLICES_UNCACHED = _release() >= (4, 36)
+
+#: Up to 4.44 each attention layer gets its own ``(key, value)`` pair, a view of the cache the model forward may not
+#: have been able to read up front; from 4.45 every layer gets the Cache object the model forward already read.
+ATTENTION_GETS_LAYER_PAIRS = _release() < (4, 45)
+
+#: From 4.45 GPT-Neo's forward takes ``Cache`` objects (4.45 - 4.53 still take tuples, logging a deprecation).
+CACHE_OBJECTS_ACCEPTED = _release() >= (4, 45)
+
 
 def is_supported(version: str) -> bool:
     from packaging.specifiers import SpecifierSet
@@ -50,16 +63,30 @@ try:  # torch >= 2.3
 except AttributeError:  # pragma: no cover - older torch
     _is_compiling = torch._dynamo.is_compiling  # type: ignore[attr-defined]
 
-try:
-    from torch.fx._symbolic_trace import is_fx_tracing as _is_fx_tracing
+try:  # the same flag as is_fx_tracing(), without the log line newer torch emits there ("will return true for both")
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing as _is_fx_tracing
 except ImportError:  # pragma: no cover - older torch
+    try:
+        from torch.fx._symbolic_trace import is_fx_tracing as _is_fx_tracing
+    except ImportError:
 
-    def _is_fx_tracing() -> bool:
-        return False
+        def _is_fx_tracing() -> bool:
+            return False
 
 
 _jit_is_tracing = torch._C._is_tracing
 _Proxy = torch.fx.Proxy
+
+# The module whose ``_is_fx_tracing_flag`` both functions above read.  is_tracing() reads the flag itself: it runs
+# several times per decode step, and a module attribute read costs less than two nested calls.
+try:
+    from torch.fx import _symbolic_trace as _fx_state
+
+    _fx_state._is_fx_tracing_flag  # noqa: B018 - present in every torch neofix supports
+except (ImportError, AttributeError):  # pragma: no cover - older torch
+
+    class _fx_state:  # type: ignore[no-redef]
+        _is_fx_tracing_flag = False
 
 
 def is_tracing(tensor: Any = None) -> bool:
@@ -67,16 +94,38 @@ def is_tracing(tensor: Any = None) -> bool:
 
     The patch stays out of the way then: a value check would become data-dependent control flow and break the
     trace, and a repair would be baked into the traced graph.
+
+    ``_is_compiling()`` comes first: dynamo folds it to a constant, so it never reaches ``torch._C._is_tracing()``,
+    a builtin it cannot trace (a graph break, or an error under ``fullgraph=True``).  Nothing here logs: a plain
+    forward must not log what vanilla transformers does not.
     """
     return (
-        _jit_is_tracing()
-        or _is_compiling()
-        or _is_fx_tracing()
+        _is_compiling()
+        or _jit_is_tracing()
+        or _fx_state._is_fx_tracing_flag  # what _is_fx_tracing() returns once _is_compiling() is False
         or isinstance(tensor, _Proxy)
     )
 
 
 # --- caches ---------------------------------------------------------------------------------------------------------
+
+
+def layer_lengths(cache: Any, layers: int) -> tuple[int | None, ...]:
+    """Tokens held by each of the first ``layers`` layers of a cache (0 past its last layer).
+
+    ``None`` for a layer that cannot be told without a device synchronisation or at all (a length that is a tensor,
+    as static caches report, or a cache type whose ``get_seq_length(i)`` raises).
+    """
+    if isinstance(cache, (tuple, list)):
+        return tuple(layer_cache_length(cache[i], i) if i < len(cache) else 0 for i in range(layers))
+    lengths: list[int | None] = []
+    for i in range(layers):
+        try:
+            length = cache.get_seq_length(i)
+        except (AttributeError, IndexError, TypeError, ValueError):
+            length = None
+        lengths.append(length if isinstance(length, int) else None)
+    return tuple(lengths)
 
 
 def cache_state(cache: Any) -> tuple[int | None, int | None]:
@@ -99,6 +148,41 @@ def cache_state(cache: Any) -> tuple[int | None, int | None]:
     if not isinstance(length, int):
         return None, None
     return length, _cache_batch(cache)
+
+
+def read_cache(cache: Any, layers: int) -> tuple[int | None, int | None, tuple[int | None, ...] | None]:
+    """``(tokens held, batch, tokens held per layer)`` of a cache the model's ``layers`` layers will read.
+
+    One pass for the model forward: layer 0's length is what the cache holds.  Where that cannot be told (a static
+    cache reports a tensor), all three are ``None`` but the batch, and no length is checked.
+    """
+    if cache is None:
+        return 0, None, None
+    lengths = layer_lengths(cache, layers)
+    past = lengths[0] if lengths else cache_state(cache)[0]
+    if past is None:
+        return None, None, None
+    if isinstance(cache, (tuple, list)):
+        first = cache[0] if cache else None
+        batch = first[0].shape[0] if first and first[0] is not None else None
+    else:
+        batch = _cache_batch(cache)
+    return past, batch, lengths
+
+
+def cache_length(cache: Any) -> int | None:
+    """``cache_state(cache)[0]`` without reading the batch: what ``prepare_inputs_for_generation`` needs each step."""
+    if cache is None:
+        return 0
+    if isinstance(cache, (tuple, list)):
+        if not cache or cache[0] is None or not cache[0]:
+            return 0
+        return cache[0][0].shape[-2]  # type: ignore[no-any-return]
+    get_seq_length = getattr(cache, "get_seq_length", None)
+    if get_seq_length is None:
+        return None
+    length = get_seq_length()
+    return length if isinstance(length, int) else None
 
 
 def _cache_batch(cache: Any) -> int | None:

@@ -15,6 +15,7 @@ __all__ = [
     "TokenIdError",
     "CacheLengthError",
     "InputShapeError",
+    "AttentionWindowError",
     "NeofixWarning",
 ]
 
@@ -52,6 +53,10 @@ class CacheLengthError(NeofixError):
 
 class InputShapeError(NeofixError):
     """The step's inputs have an impossible shape (no new tokens, wrong embedding width, ...)."""
+
+
+class AttentionWindowError(NeofixError):
+    """The attention implementation would ignore GPT-Neo's local attention window (flash-attention-2)."""
 
 
 class NeofixWarning(UserWarning):

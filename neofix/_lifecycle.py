@@ -1,15 +1,17 @@
 """Patch lifecycle: ``patch()``, ``unpatch()``, ``is_patched()`` and the post-import hook.
 
-Importing this module imports neither torch nor transformers: ``import neofix`` only registers a wrapt
-post-import hook on GPT-Neo's modeling module, which applies the patch when transformers loads that module (at
-once if it already has).  Both verbs are idempotent and thread-safe; ``unpatch()`` restores transformers exactly
-(a wrapper installed on a subclass over an inherited method is deleted, not replaced by a copy).
+Importing this module imports neither torch nor transformers: ``import neofix`` only registers a post-import hook
+on GPT-Neo's modeling module (wrapt's, handed over when that module is first looked up, so that the import does not
+pay for importing wrapt), which applies the patch when transformers loads GPT-Neo (at once if it already has).
+Both verbs are idempotent and thread-safe; ``unpatch()`` restores transformers exactly (a wrapper installed on a
+subclass over an inherited method is deleted, not replaced by a copy).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 import threading
 import warnings
 from typing import Any, NamedTuple
@@ -26,8 +28,10 @@ class _Target(NamedTuple):
     name: str  # as shown by ``neofix doctor``
     owner: str  # attribute of the modeling module, or "" for the module itself
     attribute: str
-    factory: str  # name in neofix._wrappers; "make_*" factories receive the original function
+    factory: str  # name of the factory in neofix._wrappers: it receives the original, returns the replacement
     required: bool  # missing -> warning; optional targets exist only in some releases
+    needed: str = ""  # a flag of neofix._compat: the target is skipped on releases where it is False
+    unneeded: str = ""  # why it is not needed there (shown by ``neofix doctor``)
 
 
 TARGETS = (
@@ -36,17 +40,32 @@ TARGETS = (
         "GPTNeoForCausalLM.prepare_inputs_for_generation",
         "GPTNeoForCausalLM",
         "prepare_inputs_for_generation",
-        "prepare_inputs_for_generation",
+        "make_prepare_inputs_for_generation",
         True,
     ),
-    _Target("GPTNeoForCausalLM.generate", "GPTNeoForCausalLM", "generate", "generate", True),
-    _Target("GPTNeoSelfAttention.forward", "GPTNeoSelfAttention", "forward", "attention_forward", True),
-    _Target("GPTNeoFlashAttention2.forward", "GPTNeoFlashAttention2", "forward", "attention_forward", False),
+    _Target("GPTNeoForCausalLM.generate", "GPTNeoForCausalLM", "generate", "make_generate", True),
+    _Target(
+        "GPTNeoSelfAttention.forward",
+        "GPTNeoSelfAttention",
+        "forward",
+        "make_attention_forward",
+        True,
+        "ATTENTION_GETS_LAYER_PAIRS",
+        "GPTNeoModel.forward checks every layer's cache before any layer runs, and the attention layers read the "
+        "same Cache object",
+    ),
+    _Target(
+        "GPTNeoFlashAttention2.forward",
+        "GPTNeoFlashAttention2",
+        "forward",
+        "make_flash_attention_forward",
+        False,
+    ),
     _Target(
         "_prepare_4d_causal_attention_mask (float64)",
         "",
         "_prepare_4d_causal_attention_mask",
-        "prepare_4d_mask_float64",
+        "make_prepare_4d_mask_float64",
         False,
     ),
 )
@@ -56,7 +75,7 @@ class _Applied(NamedTuple):
     owner: Any
     attribute: str
     original: Any  # the owner's own attribute before patching, or _MISSING when it was inherited
-    proxy: Any
+    installed: Any  # the plain function neofix put there
 
 
 _applied: list[_Applied] = []
@@ -86,6 +105,8 @@ def patch() -> bool:
         except Exception as exc:  # transformers missing or broken: tell, never crash the caller
             _warn(f"neofix: could not import {GPT_NEO_MODULE} ({type(exc).__name__}: {exc}); nothing patched")
             return False
+        if _applied:  # importing GPT-Neo just now fired the post-import hook, which patched it
+            return True
         return _apply(module)
 
 
@@ -101,7 +122,7 @@ def unpatch() -> bool:
             return False
         for applied in reversed(_applied):
             current = vars(applied.owner).get(applied.attribute, _MISSING)
-            if current is not applied.proxy:
+            if current is not applied.installed:
                 _warn(
                     f"neofix: {_describe(applied)} was wrapped again by someone else after neofix; left in place "
                     f"(remove the outer wrapper first)"
@@ -128,7 +149,6 @@ def status() -> list[tuple[str, str, str]]:
 
 def _apply(module: Any) -> bool:
     from . import _compat, _wrappers
-    import wrapt
 
     version = _compat.transformers_version()
     if not _compat.is_supported(version):
@@ -149,14 +169,16 @@ def _apply(module: Any) -> bool:
                     _status[target.name] = ("missing", reason)
                     _warn(f"neofix: {reason}; that part of GPT-Neo is left unpatched")
                 else:
-                    _status[target.name] = ("skipped", f"not needed: {reason}")
+                    _status[target.name] = ("skipped", f"not needed: this release has no {where}.{target.attribute}")
+                continue
+            if target.needed and not getattr(_compat, target.needed):
+                _status[target.name] = ("skipped", f"not needed on transformers {version}: {target.unneeded}")
                 continue
             original = vars(owner).get(target.attribute, _MISSING)
-            wrapper = getattr(_wrappers, target.factory)
-            if target.factory.startswith("make_"):
-                wrapper = wrapper(getattr(owner, target.attribute))
-            wrapt.wrap_function_wrapper(owner, target.attribute, wrapper)
-            _applied.append(_Applied(owner, target.attribute, original, vars(owner)[target.attribute]))
+            # the factory wraps what the class resolves (its own attribute or the inherited one) in a plain function
+            installed = getattr(_wrappers, target.factory)(getattr(owner, target.attribute))
+            setattr(owner, target.attribute, installed)
+            _applied.append(_Applied(owner, target.attribute, original, installed))
             inherited = " (inherited; wrapper installed on the class)" if original is _MISSING else ""
             _status[target.name] = ("patched", f"transformers {version}{inherited}")
     except Exception:
@@ -172,7 +194,7 @@ def _apply(module: Any) -> bool:
 
 def _unpatch_all_quietly() -> None:
     for applied in reversed(_applied):
-        if vars(applied.owner).get(applied.attribute, _MISSING) is applied.proxy:
+        if vars(applied.owner).get(applied.attribute, _MISSING) is applied.installed:
             if applied.original is _MISSING:
                 delattr(applied.owner, applied.attribute)
             else:
@@ -209,9 +231,38 @@ def register() -> None:
     _read_trace_environment()
     if os.environ.get("NEOFIX_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
         return
+    if GPT_NEO_MODULE in sys.modules:  # transformers already loaded GPT-Neo: wrapt's hook fires at once
+        _register_hook()
+    else:  # wait for it without importing wrapt, which alone takes longer than ``import neofix`` may
+        sys.meta_path.insert(0, _GPTNeoWatcher())
+
+
+def _register_hook() -> None:
     import wrapt
 
     wrapt.register_post_import_hook(_on_import, GPT_NEO_MODULE)
+
+
+class _GPTNeoWatcher:
+    """A ``sys.meta_path`` finder that waits for GPT-Neo's modeling module, then hands it to wrapt's import hook.
+
+    It finds nothing itself.  The first time GPT-Neo's module is looked up, it registers wrapt's post-import hook
+    (importing wrapt then, while transformers is being imported anyway) and returns what wrapt's finder returns:
+    wrapt puts its finder first in ``sys.meta_path``, a place this lookup has already gone past.
+    """
+
+    handed_over = False
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != GPT_NEO_MODULE or self.handed_over:
+            return None
+        self.handed_over = True
+        _register_hook()
+        for finder in sys.meta_path:
+            if finder is not self and type(finder).__module__.startswith("wrapt"):
+                find_spec = getattr(finder, "find_spec", None)
+                return find_spec(fullname, path, target) if find_spec is not None else None
+        return None
 
 
 def _read_trace_environment() -> None:

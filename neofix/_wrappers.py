@@ -5,21 +5,27 @@ Data flows one way::
     generate ──> prepare_inputs_for_generation ──> GPTNeoModel.forward ──> each attention layer
                  (feed exactly the uncached tokens)  (align the step)        (check this layer's cache)
 
+Each ``make_*`` factory takes the original function and returns the plain function that replaces it on its class
+(``functools.wraps``: same name, docstring and signature, ``__wrapped__`` set).  Plain functions rather than wrapt
+proxies, because dynamo cannot build its guards on a proxy (``torch.compile`` would fail with "Guard failed on
+the same frame it was created"), and because a plain function is the cheapest thing to call on every decode step.
 Every wrapper steps aside while a trace or compilation runs (see :func:`neofix._compat.is_tracing`).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from contextvars import ContextVar
 from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ._align import Limits, align, derive_positions, raise_token_id_error
+from ._align import align, derive_positions, explain_index_error, raise_cache_length_error
 from . import _compat
-from ._compat import cache_state, is_tracing, layer_cache_length, positional_names
+from ._compat import cache_length, is_tracing, layer_cache_length, positional_names, read_cache
 from ._config import settings
-from ._errors import CacheLengthError, MaskLengthError, NeofixError, SequenceTooLongError, warn_once
+from ._errors import AttentionWindowError, MaskLengthError, NeofixError, SequenceTooLongError, warn_once
 
 
 class StepInfo(NamedTuple):
@@ -39,33 +45,65 @@ class StepInfo(NamedTuple):
 STEP_LISTENERS: list[Callable[[StepInfo], None]] = []
 
 # The step being run in this thread/task: (tokens in the cache, the GPTNeoModel).  Attention layers compare
-# their own cache length with it.
+# their own cache length with it.  Set only for a step whose layers the model forward could not all check.
 _STEP: ContextVar[tuple[int | None, Any] | None] = ContextVar("neofix_step", default=None)
 
+# Forwards now running (any thread) whose cache has a layer GPTNeoModel.forward could not read up front.  While it
+# is 0 (the usual case: every layer was checked before any ran) the attention wrapper does nothing at all.
+_layer_rechecks = 0
+_rechecks_lock = threading.Lock()
 
-def _limits(config: Any) -> Limits:
-    return Limits(config.max_position_embeddings, config.vocab_size, config.hidden_size)
+
+class _ConfigLimits:
+    """The :class:`~neofix._align.Limits` of a model, read from its config when used.
+
+    A decode step needs only ``max_positions``; config reads are Python-level in transformers (``__getattribute__``),
+    so the two a decode step does not need are not read.
+    """
+
+    __slots__ = ("_config",)
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    @property
+    def max_positions(self) -> int:
+        return self._config.max_position_embeddings  # type: ignore[no-any-return]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._config.vocab_size  # type: ignore[no-any-return]
+
+    @property
+    def hidden_size(self) -> int:
+        return self._config.hidden_size  # type: ignore[no-any-return]
 
 
 def make_model_forward(original: Any) -> Callable[..., Any]:
-    """Wrapper for ``GPTNeoModel.forward``: every caller passes here (generate, loops, pipelines, heads)."""
+    """``GPTNeoModel.forward``: every caller passes here (generate, hand-written loops, pipelines, heads)."""
     names = positional_names(original)
+    first_name = names[0] if names else "input_ids"
 
-    def model_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else kwargs.get("input_ids")
         if first is None:
             first = kwargs.get("inputs_embeds")
         if is_tracing(first):
-            return wrapped(*args, **kwargs)
-        if args:
-            kwargs = {**dict(zip(names, args)), **kwargs}
+            return original(self, *args, **kwargs)
+        if args:  # generate and the heads pass input_ids alone positionally: skip zip() for that case
+            kwargs = {first_name: args[0], **kwargs} if len(args) == 1 else {**dict(zip(names, args)), **kwargs}
+        input_ids = kwargs.get("input_ids")
+        if input_ids is not None and input_ids.dim() != 2 and _compat.FLAT_INPUT_IDS_ACCEPTED:
+            return original(self, **kwargs)  # 1D input_ids: transformers up to 4.44 read them as one row
         cache_key = "cache" if "cache" in kwargs else "past_key_values"
         cache = kwargs.get(cache_key)
+        config = self.config
         if type(cache) is tuple and cache and _compat.LEGACY_CACHE_REJECTED:
-            kwargs[cache_key] = cache = _legacy_cache(cache, instance.config)
-        past, cache_batch = cache_state(cache)
-        input_ids = kwargs.get("input_ids")
+            kwargs[cache_key] = cache = _legacy_cache(cache, config)
+        past, cache_batch, lengths = read_cache(cache, len(self.h))
         mask = kwargs.get("attention_mask")
+        limits = _ConfigLimits(config)
         aligned = align(
             input_ids=input_ids,
             inputs_embeds=kwargs.get("inputs_embeds"),
@@ -75,44 +113,52 @@ def make_model_forward(original: Any) -> Callable[..., Any]:
             cache_position=kwargs.get("cache_position"),
             past_length=past,
             cache_batch=cache_batch,
-            limits=_limits(instance.config),
+            limits=limits,
             strict=settings.strict,
             check_values=settings.check_values,
+            layer_lengths=lengths,
         )
         if aligned is None:
-            return wrapped(**kwargs)
+            return original(self, **kwargs)
+        positions = aligned.position_ids
         kwargs["attention_mask"] = aligned.attention_mask
-        kwargs["position_ids"] = aligned.position_ids
+        kwargs["position_ids"] = positions
         if "token_type_ids" in kwargs:
             kwargs["token_type_ids"] = aligned.token_type_ids
         if "cache_position" in kwargs:
             kwargs["cache_position"] = aligned.cache_position
         if STEP_LISTENERS:
             info = StepInfo(
-                instance,
+                self,
                 aligned.batch,
                 aligned.new_tokens,
                 past,
                 None if mask is None else mask.shape[-1],
                 aligned.attention_mask,
-                aligned.position_ids,
+                positions,
                 aligned.repairs,
             )
             for listener in tuple(STEP_LISTENERS):
                 listener(info)
-        token = _STEP.set((past, instance))
+        # attention layers re-check their own cache only where a layer's length could not be read above
+        # (and only then is _STEP, which they read, set: a ContextVar set and reset cost more than the rest here)
+        recheck = lengths is not None and None in lengths
+        if recheck:
+            _count_rechecks(1)
+            token = _STEP.set((past, self))
         try:
-            return wrapped(**kwargs)
+            return original(self, **kwargs)
         except IndexError as exc:
-            # Single-token decode steps skip the id check (it would synchronise with the device).  On the CPU a
-            # bad id surfaces as this IndexError: name the id instead.
-            if input_ids is not None and not aligned.values_checked:
-                raise_token_id_error(input_ids, instance.config.vocab_size, exc)
+            # Single-token decode steps skip the value checks (they would synchronise with the device).  On the CPU
+            # a bad id or position surfaces as this IndexError: name the value instead.
+            explain_index_error(exc, limits, input_ids, aligned.token_type_ids, positions)
             raise
         finally:
-            _STEP.reset(token)
+            if recheck:
+                _STEP.reset(token)
+                _count_rechecks(-1)
 
-    return model_forward
+    return forward
 
 
 def _legacy_cache(legacy: tuple, config: Any) -> Any:
@@ -128,19 +174,74 @@ def _legacy_cache(legacy: tuple, config: Any) -> Any:
     return _compat.cache_from_legacy(legacy, config)
 
 
-def attention_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper for the GPT-Neo self-attention forward: this layer's cache must hold what layer 0 holds."""
+def _count_rechecks(change: int) -> None:
+    global _layer_rechecks
+    with _rechecks_lock:
+        _layer_rechecks += change
+
+
+def make_attention_forward(original: Any) -> Callable[..., Any]:
+    """GPT-Neo's self-attention forward: this layer's cache must hold what layer 0 holds.
+
+    ``GPTNeoModel.forward`` compares every layer's length before any layer runs, so this check only runs for a
+    step whose cache had a layer the model could not read up front (it then sees the layer as the attention does:
+    on transformers up to 4.44 as a ``(key, value)`` pair).  Otherwise it costs one global read.
+    """
+
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _layer_rechecks and not is_tracing():  # dynamo cannot trace ContextVar.get (regional compilation)
+            _recheck_layer(self, args, kwargs)
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+def make_flash_attention_forward(original: Any) -> Callable[..., Any]:
+    """GPT-Neo's flash-attention-2 forward: refuse a step its missing local window would get wrong.
+
+    transformers' flash-attention-2 path for GPT-Neo applies no sliding window, so a local layer attends to every
+    cached token instead of the last ``window_size``.  That is right only while the sequence fits in the window.
+    Every layer checks, so the error comes from the first layer, before any layer has added the step to the cache.
+    """
+
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not is_tracing():
+            _check_local_window(self, args, kwargs)
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+def _check_local_window(attention: Any, args: tuple, kwargs: dict) -> None:
+    config = attention.config
+    window = config.window_size
+    if "local" not in config.attention_layers:
+        return
+    hidden = args[0] if args else kwargs["hidden_states"]
+    layer_past = kwargs["layer_past"] if "layer_past" in kwargs else (args[2] if len(args) > 2 else None)
+    held = layer_cache_length(layer_past, getattr(attention, "layer_id", None))
+    if held is None:
+        return
+    total = held + hidden.shape[-2]
+    if total > window:
+        raise AttentionWindowError(
+            f"this step attends over {total} tokens (the cache holds {held}), but GPT-Neo's local attention layers "
+            f"see only the last {window} (config.window_size), and transformers' flash_attention_2 path for "
+            f"GPT-Neo applies no window: the local layers would silently attend to every token. Load the model with "
+            f"attn_implementation='eager', or keep sequences within {window} tokens"
+        )
+
+
+def _recheck_layer(attention: Any, args: tuple, kwargs: dict) -> None:
     step = _STEP.get()
-    if step is not None and step[0] is not None:
-        layer_past = kwargs["layer_past"] if "layer_past" in kwargs else (args[2] if len(args) > 2 else None)
-        held = layer_cache_length(layer_past, getattr(instance, "layer_id", None))
-        if held is not None and held != step[0]:
-            layer = _layer_index(step[1], instance)
-            raise CacheLengthError(
-                f"cache layer {layer} holds {held} tokens, but layer 0 holds {step[0]}: every layer of the cache "
-                f"must hold the same tokens. Was the cache built for another model, cropped or edited per layer?"
-            )
-    return wrapped(*args, **kwargs)
+    if step is None or step[0] is None:
+        return
+    layer_past = kwargs["layer_past"] if "layer_past" in kwargs else (args[2] if len(args) > 2 else None)
+    held = layer_cache_length(layer_past, getattr(attention, "layer_id", None))
+    if held is not None and held != step[0]:
+        raise_cache_length_error(_layer_index(step[1], attention), held, step[0])
 
 
 def _layer_index(model: Any, attention: Any) -> Any:
@@ -153,14 +254,25 @@ def _layer_index(model: Any, attention: Any) -> Any:
     return "?"  # pragma: no cover - an attention module outside its model
 
 
-def prepare_inputs_for_generation(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper for ``GPTNeoForCausalLM.prepare_inputs_for_generation``: feed exactly the uncached tokens.
+def make_prepare_inputs_for_generation(original: Any) -> Callable[..., Any]:
+    """``GPTNeoForCausalLM.prepare_inputs_for_generation``: feed exactly the uncached tokens.
 
     transformers up to 4.35 feeds only the last token whenever a cache is present, which silently drops tokens
     when generation continues from a cache with several new tokens.  Later releases slice correctly, and this
     wrapper then changes nothing.
     """
-    inputs = wrapped(*args, **kwargs)
+
+    @functools.wraps(original)
+    def prepare_inputs_for_generation(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inputs = original(self, *args, **kwargs)
+        if _compat.GENERATE_SLICES_UNCACHED:  # transformers >= 4.36 feeds the uncached tokens itself
+            return inputs
+        return _uncached_inputs(inputs, args, kwargs)
+
+    return prepare_inputs_for_generation
+
+
+def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
     full = args[0] if args else kwargs.get("input_ids")
     fed = inputs.get("input_ids") if isinstance(inputs, dict) else None
     if full is None or fed is None or is_tracing(full) or full.dim() != 2:
@@ -168,7 +280,7 @@ def prepare_inputs_for_generation(wrapped: Any, instance: Any, args: tuple, kwar
     cache = inputs.get("cache", inputs.get("past_key_values"))
     if cache is None:
         return inputs
-    past, _ = cache_state(cache)
+    past = cache_length(cache)
     if past is None or past == 0:
         return inputs
     uncached = full.shape[-1] - past
@@ -195,8 +307,18 @@ def prepare_inputs_for_generation(wrapped: Any, instance: Any, args: tuple, kwar
     return inputs
 
 
-def generate(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper for ``GPTNeoForCausalLM.generate``: refuse, before any forward, a length the model cannot reach."""
+def make_generate(original: Any) -> Callable[..., Any]:
+    """``GPTNeoForCausalLM.generate``: refuse, before any forward, a length the model cannot reach."""
+
+    @functools.wraps(original)
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_generate_length(self, args, kwargs)
+        return original(self, *args, **kwargs)
+
+    return generate
+
+
+def _check_generate_length(instance: Any, args: tuple, kwargs: dict) -> None:
     prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if prompt is None:
         embeds = kwargs.get("inputs_embeds")
@@ -206,18 +328,18 @@ def generate(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if length is not None and not is_tracing(prompt):
         limit = instance.config.max_position_embeddings
         total, reason = _generate_length(instance, kwargs, length)
-        if total is not None and total > limit:
-            fit = max(limit - length, 0)
+        # the last token generated is never fed back: the forwards reach total - 1 positions
+        if total is not None and total - 1 > limit:
+            fit = max(limit + 1 - length, 0)
             raise SequenceTooLongError(
-                f"generate would run to {total} tokens ({reason}), but config.max_position_embeddings is "
-                f"{limit}: "
+                f"generate would run to {total} tokens ({reason}), feeding the model {total - 1}, but "
+                f"config.max_position_embeddings is {limit}: "
                 + (
                     f"at most max_new_tokens={fit} fit after this {length}-token prompt"
                     if fit
-                    else f"the {length}-token prompt already fills every position; shorten it"
+                    else f"the {length}-token prompt alone is longer than that; shorten it"
                 )
             )
-    return wrapped(*args, **kwargs)
 
 
 def _generate_length(model: Any, kwargs: dict, prompt_length: int) -> tuple[int | None, str]:
@@ -236,28 +358,34 @@ def _generate_length(model: Any, kwargs: dict, prompt_length: int) -> tuple[int 
     return None, ""
 
 
-def prepare_4d_mask_float64(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Wrapper for ``_prepare_4d_causal_attention_mask`` (transformers 4.36 - 4.44) in float64.
+def make_prepare_4d_mask_float64(original: Any) -> Callable[..., Any]:
+    """``_prepare_4d_causal_attention_mask`` of GPT-Neo's module (transformers 4.36 - 4.44), in float64.
 
     Its causal-mask helper fills a float32 tensor with ``finfo(float64).min`` and raises "value cannot be converted
     to type float without overflow".  GPT-Neo computes attention scores in float32 anyway, so the mask is built in
     float32, which is the dtype it is added to.
     """
     names = ("attention_mask", "input_shape", "inputs_embeds", "past_key_values_length", "sliding_window")
-    bound = {**dict(zip(names, args)), **kwargs}
-    embeds = bound.get("inputs_embeds")
-    if isinstance(embeds, torch.Tensor) and embeds.dtype == torch.float64 and not is_tracing(embeds):
-        bound["inputs_embeds"] = torch.empty(0, dtype=torch.float32, device=embeds.device)
-        return wrapped(**bound)
-    return wrapped(*args, **kwargs)
+
+    @functools.wraps(original)
+    def prepare_4d_causal_attention_mask(*args: Any, **kwargs: Any) -> Any:
+        bound = {**dict(zip(names, args)), **kwargs}
+        embeds = bound.get("inputs_embeds")
+        if isinstance(embeds, torch.Tensor) and embeds.dtype == torch.float64 and not is_tracing(embeds):
+            bound["inputs_embeds"] = torch.empty(0, dtype=torch.float32, device=embeds.device)
+            return original(**bound)
+        return original(*args, **kwargs)
+
+    return prepare_4d_causal_attention_mask
 
 
 __all__ = [
     "STEP_LISTENERS",
     "StepInfo",
-    "attention_forward",
-    "generate",
+    "make_attention_forward",
+    "make_flash_attention_forward",
+    "make_generate",
     "make_model_forward",
-    "prepare_4d_mask_float64",
-    "prepare_inputs_for_generation",
+    "make_prepare_4d_mask_float64",
+    "make_prepare_inputs_for_generation",
 ]

@@ -23,6 +23,7 @@ FEATURES = {
     "legacy tuple caches": ((0, 0), ""),
     "float64 mask bug": ((4, 36), "only transformers 4.36 - 4.44 build the causal mask through the buggy helper"),
     "fx tracing": ((0, 0), ""),
+    "flash-attention-2 class": ((4, 36), "GPTNeoFlashAttention2 arrived in transformers 4.36"),
     "generate slices uncached tokens": (
         (4, 36),
         "before 4.36 GPT-Neo's prepare_inputs_for_generation fed only the last token when a cache was given",
@@ -31,6 +32,8 @@ FEATURES = {
 
 
 def has(feature: str) -> bool:
+    if feature in PROBES:  # features told by looking at the installed packages (appended below)
+        return PROBES[feature]()
     if feature == "legacy tuple caches":  # GPT-Neo's forward rejects them from 4.54 on (neofix converts them)
         return True
     if feature == "float64 mask bug":
@@ -87,3 +90,62 @@ def as_cache_object(cache):
 
 
 DTYPE = torch.float64
+
+
+# -- the never-break paths (tests/test_never_break*.py): tracers, exporters and heads some releases lack ----------
+
+
+def _importable(*modules: str) -> bool:
+    """Whether the modules are installed (found, not imported: collection stays fast)."""
+    from importlib.util import find_spec
+
+    try:
+        return all(find_spec(module) is not None for module in modules)
+    except (ImportError, ValueError):  # a parent package missing or broken
+        return False
+
+
+def _hf_fx_traces_gpt_neo() -> bool:
+    if not _importable("transformers.utils.fx"):
+        return False
+    from transformers.utils import fx
+
+    return "gpt_neo" in getattr(fx, "_REGULAR_SUPPORTED_MODEL_NAMES_AND_TASKS", ())
+
+
+FEATURES.update(
+    {
+        "transformers fx tracer": (
+            (0, 0),
+            "transformers.utils.fx (symbolic_trace, HFTracer) with GPT-Neo support exists up to 4.57; transformers "
+            "5.0 removed it",
+        ),
+        "GPTNeoForQuestionAnswering": ((4, 29), "transformers.GPTNeoForQuestionAnswering arrived in transformers 4.29"),
+        "GPTNeoForTokenClassification": (
+            (4, 29),
+            "transformers.GPTNeoForTokenClassification arrived in transformers 4.29",
+        ),
+        "left-padded sequence classification": (
+            (4, 36),
+            "GPTNeoForSequenceClassification pools the last token of a left-padded row from transformers 4.36 on "
+            "(before, it pooled the token at index count(non-pad) - 1, right padding only)",
+        ),
+        "onnx": ((0, 0), "torch.onnx.export needs the onnx package (pip install 'neofix[test]')"),
+        "onnxscript": (
+            (0, 0),
+            "torch.onnx.export(dynamo=True) needs the onnx and onnxscript packages (pip install 'neofix[test]')",
+        ),
+        "onnxruntime": ((0, 0), "running an exported ONNX model needs onnxruntime (pip install 'neofix[test]')"),
+    }
+)
+
+#: feature -> how to tell whether the installed packages have it (consulted first by :func:`has`)
+PROBES = {
+    "transformers fx tracer": _hf_fx_traces_gpt_neo,
+    "GPTNeoForQuestionAnswering": lambda: hasattr(transformers, "GPTNeoForQuestionAnswering"),
+    "GPTNeoForTokenClassification": lambda: hasattr(transformers, "GPTNeoForTokenClassification"),
+    "onnx": lambda: _importable("onnx"),
+    "onnxscript": lambda: _importable("onnx", "onnxscript"),
+    "onnxruntime": lambda: _importable("onnxruntime"),
+}
+

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import neofix
 from neofix import _errors

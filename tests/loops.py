@@ -50,6 +50,7 @@ def decode(
     bounds = [0, *chunks, ids.shape[1]]
     feeds = [ids[:, a:b] for a, b in zip(bounds, bounds[1:])]
     fed = 0
+    next_tokens = None  # set by the last prefill step, before the first decode step reads it
     for step in range(len(feeds) - 1 + steps):
         new = feeds[step] if step < len(feeds) else next_tokens
         fed += new.shape[1]

@@ -24,6 +24,10 @@ assert importlib.resources.files("neofix").joinpath("py.typed").is_file(), "py.t
 heavy = sorted({"torch", "transformers"} & set(sys.modules))
 assert not heavy, f"import neofix imported {heavy}"
 print(f"import neofix {neofix.__version__} from {neofix.__file__}: ok")
+plugins = [e for e in importlib.metadata.entry_points(group="pytest11") if e.name == "neofix"]
+assert [e.value for e in plugins] == ["pytest_neofix"], f"pytest11 entry points named neofix: {plugins}"
+plugins[0].load()
+print("pytest plugin pytest_neofix: loads")
 """
 
 
@@ -47,17 +51,18 @@ def main(dist_dir: str, venv_dir: str, constraints: str) -> None:
         info = next(n for n in names if n.endswith(".dist-info/METADATA"))
         metadata = HeaderParser().parsestr(archive.read(info).decode())
     version = metadata["Version"]
-    for required in ("neofix/__init__.py", "neofix/py.typed"):
+    for required in ("neofix/__init__.py", "neofix/py.typed", "pytest_neofix.py"):
         if required not in names:
             fail(f"{wheel.name} lacks {required}")
-    stray = sorted({n.split("/")[0] for n in names} - {"neofix", info.split("/")[0]})
+    stray = sorted({n.split("/")[0] for n in names} - {"neofix", "pytest_neofix.py", info.split("/")[0]})
     if stray:
-        fail(f"{wheel.name} ships more than the neofix package: {stray}")
+        fail(f"{wheel.name} ships more than the neofix package and its pytest plugin: {stray}")
     if not wheel.name.startswith(f"neofix-{version}-"):
         fail(f"{wheel.name} does not match its metadata version {version}")
     with tarfile.open(sdist) as archive:
-        if f"neofix-{version}/neofix/py.typed" not in archive.getnames():
-            fail(f"{sdist.name} lacks neofix/py.typed (or its version is not {version})")
+        for required in ("neofix/py.typed", "pytest_neofix.py"):
+            if f"neofix-{version}/{required}" not in archive.getnames():
+                fail(f"{sdist.name} lacks {required} (or its version is not {version})")
     print(f"{wheel.name} and {sdist.name}: contents ok, version {version}", flush=True)
 
     venv = Path(venv_dir)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import types
 import warnings
 
@@ -259,7 +261,17 @@ def test_registered_as_a_pytest11_entry_point():
     from importlib.metadata import entry_points
 
     found = [e for e in entry_points(group="pytest11") if e.name == "neofix"]
-    assert [e.value for e in found] == ["neofix.pytest_plugin"]
+    assert [e.value for e in found] == ["pytest_neofix"]
+
+
+def test_loading_the_plugin_imports_nothing_heavy():
+    """A session that never asks for neofix runs GPT-Neo unpatched: the plugin imports neither neofix nor torch."""
+    code = (
+        "import sys, pytest_neofix; "
+        "print(sorted({'neofix', 'torch', 'transformers'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 DOWNSTREAM = '''
@@ -301,11 +313,28 @@ def test_my_broken_model(gpt_neo_tiny, monkeypatch):
 '''
 
 
+UNTOUCHED = """
+import sys
+
+from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+
+def test_gpt_neo_is_vanilla_when_nothing_asks_for_neofix(request):
+    assert request.config.pluginmanager.has_plugin("neofix")
+    GPTNeoForCausalLM(GPTNeoConfig(num_layers=2, attention_types=[[["global", "local"], 1]]))
+    assert "neofix" not in sys.modules
+"""
+
+
 @pytest.fixture
 def downstream(pytester, monkeypatch):
     """A fresh project that only has neofix installed: no conftest, no neofix test code."""
     monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    pytester.makepyfile(test_downstream=DOWNSTREAM, test_plain="def test_needs_the_fixture(gpt_neo_tiny):\n    pass\n")
+    pytester.makepyfile(
+        test_downstream=DOWNSTREAM,
+        test_plain="def test_needs_the_fixture(gpt_neo_tiny):\n    pass\n",
+        test_untouched=UNTOUCHED,
+    )
     return pytester
 
 
@@ -325,3 +354,8 @@ def test_downstream_can_disable_the_plugin(downstream):
     result = downstream.runpytest_subprocess("-p", "no:neofix", "-p", "no:cacheprovider", "test_plain.py")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*fixture 'gpt_neo_tiny' not found*"])
+
+
+def test_plugin_loads_without_patching_gpt_neo(downstream):
+    result = downstream.runpytest_subprocess("-p", "no:cacheprovider", "test_untouched.py")
+    result.assert_outcomes(passed=1)

@@ -1,0 +1,27 @@
+"""pytest plugin of neofix (entry point ``pytest11: neofix``): guard your own GPT-Neo decoding in CI.
+
+Loaded automatically when neofix is installed; disable with ``pytest -p no:neofix``.  It provides the
+``gpt_neo_tiny`` fixture; the assertions to use with it live in :mod:`neofix.testing`
+(``assert_generation_consistent``, ``assert_steps_aligned``).
+
+This module lives outside the ``neofix`` package on purpose: loading the plugin imports neither neofix nor torch
+nor transformers, so a test session in which nothing asks for neofix runs GPT-Neo exactly as it would without
+neofix installed.  The fixture imports :mod:`neofix.testing` (and so patches GPT-Neo) when a test first uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+
+@pytest.fixture
+def gpt_neo_tiny() -> Callable[..., Any]:
+    """Factory ``gpt_neo_tiny(seed=0, dtype=torch.float32, **config_overrides)``: an eval-mode tiny random
+    ``GPTNeoForCausalLM`` with global and local layers, built from a config (no download).  The same seed and
+    config give the same weights; the output layer is sharpened so that greedy decoding never sits on a near-tie.
+    Using it imports neofix, so GPT-Neo is patched for the rest of the session, as in a program that imports it."""
+    from neofix.testing import tiny_gpt_neo
+
+    return tiny_gpt_neo

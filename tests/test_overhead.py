@@ -11,8 +11,9 @@ for timed assertions on a decode step.  What is asserted is what must hold on an
 * the counter is proven to catch each kind of conversion: the tests put one into neofix's hot path (as code
   compiled under a neofix file name) and check that it is counted, and ``check_values=True`` (documented to cost
   one synchronisation per step) is counted too;
-* ``import neofix`` imports neither torch nor transformers, and ``python -X importtime -c "import neofix"`` puts
-  neofix's cumulative import time under 20 ms (the best of several runs, so that a loaded machine does not fail it).
+* ``import neofix`` imports neither torch nor transformers, and nothing beyond its own modules and what the
+  standard library's ``typing`` and ``threading`` need (the import time, under 20 ms, is measured by
+  ``benchmarks/bench_import.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 import operator
 import os
-import re
 import subprocess
 import sys
 import warnings
@@ -225,25 +225,31 @@ def test_import_neofix_imports_neither_torch_nor_transformers():
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
 
 
-IMPORT_BUDGET_MS = 20.0
-
-
-def _neofix_import_ms() -> float:
-    result = _python("-X", "importtime", "-c", "import neofix")
+def _new_modules(statement: str) -> set[str]:
+    """The modules a fresh interpreter imports for ``statement`` (beyond its own start-up)."""
+    code = (
+        "import sys; before = set(sys.modules); "
+        + statement
+        + "; import json; print(json.dumps(sorted(set(sys.modules) - before)))"
+    )
+    result = _python("-c", code)
     assert result.returncode == 0, result.stderr
-    for line in result.stderr.splitlines():
-        found = re.match(r"import time:\s+\d+ \|\s+(\d+) \| neofix$", line)
-        if found:
-            return int(found.group(1)) / 1000
-    raise AssertionError(f"no 'neofix' line in the importtime output:\n{result.stderr}")
+    return set(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
-def test_import_time_under_budget():
-    """Cumulative ``-X importtime`` of ``neofix``: the best of up to 15 runs, so that a busy machine cannot fail it."""
-    _python("-c", "import neofix")  # write bytecode caches, as any earlier run on a user's machine has
-    times = []
-    for _ in range(15):
-        times.append(_neofix_import_ms())
-        if times[-1] < IMPORT_BUDGET_MS:
-            break
-    assert min(times) < IMPORT_BUDGET_MS, f"import neofix took {min(times):.1f} ms at best ({times})"
+def test_import_neofix_imports_only_what_typing_and_threading_need():
+    """The import-time budget, asserted without a clock: ``import neofix`` loads its own small modules and the
+    standard library's ``typing`` and ``threading`` (with what they import), nothing else: no torch, transformers,
+    wrapt, packaging, logging or importlib.metadata.  The time itself (under 20 ms) is measured by
+    ``benchmarks/bench_import.py``; a timed assertion would fail on a loaded CI machine."""
+    allowed = _new_modules("import typing, threading, contextvars, warnings, os")
+    imported = _new_modules("import neofix")
+    own = {name for name in imported if name == "neofix" or name.startswith("neofix.")}
+    assert own == {"neofix", "neofix._config", "neofix._errors", "neofix._lifecycle", "neofix._version"}
+    assert sorted(imported - own - allowed) == []
+
+
+def test_the_import_check_sees_a_heavy_import():
+    """The check above is not vacuous: a module that imports more than typing and threading is caught."""
+    allowed = _new_modules("import typing, threading, contextvars, warnings, os")
+    assert {"logging", "wrapt"} <= _new_modules("import logging, wrapt") - allowed

@@ -43,6 +43,10 @@ TOKEN_TYPES_SLICED = "token_type_ids_sliced"
 CACHE_POSITION_DROPPED = "cache_position_dropped"
 
 _FIX_MASK = "append a column of ones per new token (torch.cat([mask, mask.new_ones(batch, new_tokens)], -1))"
+def _new_tokens(count: int) -> str:
+    return "1 new token" if count == 1 else f"{count} new tokens"
+
+
 _FIX_POSITIONS = "pass only the new tokens' positions, or none at all and neofix derives them from the mask"
 
 
@@ -221,11 +225,11 @@ def align(
             repairs.append(TOKEN_TYPES_SLICED)
         else:
             raise InputShapeError(
-                f"token_type_ids has {token_type_ids.shape[-1]} columns, but this step feeds {new} new tokens: "
+                f"token_type_ids has {token_type_ids.shape[-1]} columns, but this step feeds {_new_tokens(new)}: "
                 f"pass the new tokens' types only"
             )
     if cache_position is not None and cache_position.shape[-1] != new:
-        described = f"cache_position has {cache_position.shape[-1]} entries, but this step feeds {new} new tokens"
+        described = f"cache_position has {cache_position.shape[-1]} entries, but this step feeds {_new_tokens(new)}"
         if strict:
             raise PositionError(f"{described}: pass cache_position for the new tokens only, or leave it out")
         cache_position = None  # the model recomputes it from the cache length
@@ -248,7 +252,7 @@ def align(
         length = positions.shape[-1]
         if length != new:
             described = (
-                f"position_ids has {length} columns, but this step feeds {new} new tokens "
+                f"position_ids has {length} columns, but this step feeds {_new_tokens(new)} "
                 f"(the cache holds {past_length})"
             )
             if strict:

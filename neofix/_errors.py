@@ -63,6 +63,23 @@ class NeofixWarning(UserWarning):
     """neofix repaired a decoding step.  Each kind of repair is reported once per process."""
 
 
+# tracebacks and reprs name the public path (neofix.MaskLengthError), where users import them from
+for _public in (
+    NeofixError,
+    MaskLengthError,
+    BatchMismatchError,
+    PositionError,
+    SequenceTooLongError,
+    TokenIdError,
+    CacheLengthError,
+    InputShapeError,
+    AttentionWindowError,
+    NeofixWarning,
+):
+    _public.__module__ = "neofix"
+del _public
+
+
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
@@ -75,11 +92,12 @@ def warn_once(kind: str, message: str, stacklevel: int = 0) -> None:
 
     The warning points at the first caller outside neofix, torch and transformers: the user's loop.
     """
-    with _warned_lock:
-        if kind in _warned:
-            return
-        _warned.add(kind)
+    if kind in _warned:
+        return
+    # recorded only once the warning is out: where warnings are errors (-W error), every repair raises
     warnings.warn(message, NeofixWarning, stacklevel=stacklevel or _user_stacklevel())
+    with _warned_lock:
+        _warned.add(kind)
 
 
 def _user_stacklevel() -> int:

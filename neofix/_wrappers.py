@@ -167,7 +167,7 @@ def _legacy_cache(legacy: tuple, config: Any) -> Any:
     )
     if settings.strict:
         raise NeofixError(
-            f"{described}: pass the Cache object the model returned (outputs.past_key_values), or wrap the tuple "
+            f"{described}: pass the Cache object the model returned (the cache of its outputs), or wrap the tuple "
             f"in transformers.DynamicCache"
         )
     warn_once("legacy_cache", f"neofix: {described}; wrapped it in a DynamicCache. Reported once.")

@@ -169,6 +169,7 @@ def assert_generation_consistent(
     sit within rounding of each other: a float64 or sharpened model (like ``gpt_neo_tiny``) is safest; the message
     reports the reference's margin so that a near-tie can be told from a bug.
     """
+    __tracebackhide__ = True  # pytest shows the caller's line, then this assertion's message
     from ._trace import trace
 
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -279,6 +280,7 @@ def assert_steps_aligned(steps: Any) -> None:
     saw nothing guards nothing.  Multi-token verification steps (assisted decoding, prompt lookup) fail the first
     guard by design.
     """
+    __tracebackhide__ = True  # pytest shows the caller's line, then this assertion's message
     steps = list(steps)
     if not steps:
         raise AssertionError("assert_steps_aligned: the trace is empty (did the model run inside neofix.trace?)")

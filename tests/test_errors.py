@@ -411,7 +411,7 @@ CASES = {
     "strict: full-length position_ids": case(
         step(input_ids=ones(2, 1), attention_mask=ones(2, 6), position_ids=torch.arange(6).repeat(2, 1)),
         neofix.PositionError,
-        [r"position_ids has 6 columns", r"this step feeds 1 new tokens", r"pass only the new tokens' positions"],
+        [r"position_ids has 6 columns", r"this step feeds 1 new token ", r"pass only the new tokens' positions"],
         SHAPE,  # in repair mode neofix takes the last column (tested in test_loops)
         mode="strict",
     ),
@@ -719,3 +719,18 @@ def test_default_is_documented():
     fresh = _Settings()
     assert (fresh.mode, fresh.check_values) == ("repair", False)
     assert "``False`` (default)" in neofix.configure.__doc__
+
+
+@pytest.mark.parametrize("name", [n for n in neofix.__all__ if n.endswith(("Error", "Warning"))])
+def test_errors_carry_their_public_name(name):
+    """Tracebacks print ``neofix.MaskLengthError: ...`` (the name users import), and errors survive pickling
+    (multiprocessing, distributed workers)."""
+    import pickle
+    import traceback
+
+    cls = getattr(neofix, name)
+    assert f"{cls.__module__}.{cls.__qualname__}" == f"neofix.{name}"
+    error = cls("attention_mask has 9 columns")
+    assert traceback.format_exception_only(error) == [f"neofix.{name}: attention_mask has 9 columns\n"]
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is cls and again.args == error.args

@@ -84,3 +84,15 @@ def test_legacy_tuple_cache_in_strict_mode(model):
     with pytest.raises(neofix.NeofixError, match="legacy tuple cache"):
         with torch.no_grad():
             model(**step, **{cache_keyword(): cache})
+
+
+def test_repairs_raise_every_time_where_warnings_are_errors(model):
+    """With ``-W error`` (or ``simplefilter("error")``) a repair is an error on every call, not only the first."""
+    ids, mask = left_padded_batch([6, 4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", neofix.NeofixWarning)
+        for _ in range(2):
+            with pytest.raises(neofix.NeofixWarning, match="extended it with ones"):
+                decode(model, ids, mask, 3, mask_mode="stale")
+    with pytest.warns(neofix.NeofixWarning):  # and once warnings are shown again, it is still reported once
+        decode(model, ids, mask, 3, mask_mode="stale")

@@ -12,7 +12,6 @@ Importing neofix imports neither torch nor transformers.  ``NEOFIX_DISABLE=1`` m
 from __future__ import annotations
 
 import warnings as _warnings
-from typing import Any
 
 from ._config import configure
 from ._errors import (
@@ -29,6 +28,11 @@ from ._errors import (
 )
 from ._lifecycle import is_patched, patch, unpatch
 from ._version import __version__
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
+if TYPE_CHECKING:
+    from typing import Any
+del TYPE_CHECKING
 
 __all__ = [
     "AttentionWindowError",

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
 
 from ._errors import NeofixWarning
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
+if TYPE_CHECKING:
+    from typing import Any
 
 MODES = ("repair", "strict")
 _TRUE = ("1", "true", "yes", "on")

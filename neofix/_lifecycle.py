@@ -14,9 +14,12 @@ import os
 import sys
 import threading
 import warnings
-from typing import Any, NamedTuple
 
 from ._errors import NeofixWarning
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time (it is most of the import cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 GPT_NEO_MODULE = "transformers.models.gpt_neo.modeling_gpt_neo"
 
@@ -24,14 +27,26 @@ _MISSING = object()
 _lock = threading.RLock()
 
 
-class _Target(NamedTuple):
-    name: str  # as shown by ``neofix doctor``
-    owner: str  # attribute of the modeling module, or "" for the module itself
-    attribute: str
-    factory: str  # name of the factory in neofix._wrappers: it receives the original, returns the replacement
-    required: bool  # missing -> warning; optional targets exist only in some releases
-    needed: str = ""  # a flag of neofix._compat: the target is skipped on releases where it is False
-    unneeded: str = ""  # why it is not needed there (shown by ``neofix doctor``)
+class _Target:
+    """One attribute neofix replaces.  (A plain class: ``typing.NamedTuple`` would double the import time.)"""
+
+    __slots__ = ("attribute", "factory", "name", "needed", "owner", "required", "unneeded")
+
+    def __init__(
+        self,
+        name: str,  # as shown by ``neofix doctor``
+        owner: str,  # attribute of the modeling module, or "" for the module itself
+        attribute: str,
+        factory: str,  # name of the factory in neofix._wrappers: it receives the original, returns the replacement
+        required: bool,  # missing -> warning; optional targets exist only in some releases
+        needed: str = "",  # a flag of neofix._compat: the target is skipped on releases where it is False
+        unneeded: str = "",  # why it is not needed there (shown by ``neofix doctor``)
+    ) -> None:
+        self.name, self.owner, self.attribute, self.factory = name, owner, attribute, factory
+        self.required, self.needed, self.unneeded = required, needed, unneeded
+
+    def __repr__(self) -> str:
+        return f"_Target({self.name!r})"
 
 
 TARGETS = (
@@ -71,11 +86,14 @@ TARGETS = (
 )
 
 
-class _Applied(NamedTuple):
-    owner: Any
-    attribute: str
-    original: Any  # the owner's own attribute before patching, or _MISSING when it was inherited
-    installed: Any  # the plain function neofix put there
+class _Applied:
+    __slots__ = ("attribute", "installed", "original", "owner")
+
+    def __init__(self, owner: Any, attribute: str, original: Any, installed: Any) -> None:
+        self.owner = owner
+        self.attribute = attribute
+        self.original = original  # the owner's own attribute before patching, or _MISSING when it was inherited
+        self.installed = installed  # the plain function neofix put there
 
 
 _applied: list[_Applied] = []

@@ -118,6 +118,9 @@ def layer_lengths(cache: Any, layers: int) -> tuple[int | None, ...]:
     """
     if isinstance(cache, (tuple, list)):
         return tuple(layer_cache_length(cache[i], i) if i < len(cache) else 0 for i in range(layers))
+    cache_layers = getattr(cache, "layers", None)
+    if type(cache_layers) is list:  # transformers >= 4.56: ask each layer (Cache.get_seq_length(i) adds an ABC check)
+        return tuple(_layer_length(cache_layers[i]) if i < len(cache_layers) else 0 for i in range(layers))
     lengths: list[int | None] = []
     for i in range(layers):
         try:
@@ -126,6 +129,14 @@ def layer_lengths(cache: Any, layers: int) -> tuple[int | None, ...]:
             length = None
         lengths.append(length if isinstance(length, int) else None)
     return tuple(lengths)
+
+
+def _layer_length(layer: Any) -> int | None:
+    try:
+        length = layer.get_seq_length()
+    except (AttributeError, IndexError, TypeError, ValueError):  # a layer that does not track a length
+        return None
+    return length if isinstance(length, int) else None
 
 
 def cache_state(cache: Any) -> tuple[int | None, int | None]:
@@ -158,6 +169,17 @@ def read_cache(cache: Any, layers: int) -> tuple[int | None, int | None, tuple[i
     """
     if cache is None:
         return 0, None, None
+    cache_layers = None if type(cache) is tuple else getattr(cache, "layers", None)
+    if type(cache_layers) is list and cache_layers:  # transformers >= 4.56, the hot path of every decode step
+        lengths = [_layer_length(layer) for layer in cache_layers[:layers]]
+        if len(lengths) < layers:
+            lengths += [0] * (layers - len(lengths))
+        past = lengths[0]
+        if past is None:
+            return None, None, None
+        key = getattr(cache_layers[0], "keys", None)
+        batch = key.shape[0] if isinstance(key, torch.Tensor) and key.dim() == 4 else None
+        return past, batch, tuple(lengths)
     lengths = layer_lengths(cache, layers)
     past = lengths[0] if lengths else cache_state(cache)[0]
     if past is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from contextvars import ContextVar
 from typing import Any, Callable, NamedTuple
 
@@ -91,6 +92,20 @@ def make_model_forward(original: Any) -> Callable[..., Any]:
             first = kwargs.get("inputs_embeds")
         if is_tracing(first):
             return original(self, *args, **kwargs)
+        if (
+            len(args) <= 1
+            and first is not None
+            and not STEP_LISTENERS
+            and not settings.check_values
+            and (args or "input_ids" in kwargs)
+            and in_step(self, first, kwargs)
+        ):
+            # the usual decode step, already aligned: align() would return every input unchanged
+            try:
+                return original(self, *args, **kwargs)
+            except IndexError as exc:
+                explain_index_error(exc, _ConfigLimits(self.config), first, None, kwargs.get("position_ids"))
+                raise
         if args:  # generate and the heads pass input_ids alone positionally: skip zip() for that case
             kwargs = {first_name: args[0], **kwargs} if len(args) == 1 else {**dict(zip(names, args)), **kwargs}
         input_ids = kwargs.get("input_ids")
@@ -159,6 +174,61 @@ def make_model_forward(original: Any) -> Callable[..., Any]:
                 _count_rechecks(-1)
 
     return forward
+
+
+def in_step(model: Any, input_ids: Any, kwargs: dict) -> bool:
+    """Whether a forward is a single-token decode step that already keeps the step contract.
+
+    True only where :func:`~neofix._align.align` would change nothing, repair nothing and raise nothing (and, with
+    ``check_values`` off, check no value): one token per row, a cache every layer of which holds the same ``p > 0``
+    tokens of the same rows, a 2D mask of exactly ``p + 1`` columns with one position per row (or no mask, as
+    transformers 5.x passes for an unpadded batch, and positions or none), no token types, and ``p + 1`` within
+    ``max_position_embeddings``.  Shape reads only: no tensor is read.  The model forward then
+    calls transformers with the caller's arguments untouched, the cheapest path for the hottest call.
+    """
+    shape = input_ids.shape
+    if len(shape) != 2 or shape[1] != 1:
+        return False
+    if kwargs.get("inputs_embeds") is not None or kwargs.get("token_type_ids") is not None:
+        return False
+    mask = kwargs.get("attention_mask")
+    positions = kwargs.get("position_ids")
+    if positions is None and mask is not None:  # positions to derive from the mask
+        return False
+    cache_position = kwargs.get("cache_position")
+    if cache_position is not None and cache_position.shape[-1] != 1:
+        return False
+    cache = kwargs.get("cache") if "cache" in kwargs else kwargs.get("past_key_values")
+    if cache is None or (type(cache) is tuple and _compat.LEGACY_CACHE_REJECTED):
+        return False
+    layers, max_positions = _model_facts(model)
+    past, cache_batch, lengths = read_cache(cache, layers)
+    batch = shape[0]
+    if not past or cache_batch != batch or lengths is None or lengths.count(past) != len(lengths):
+        return False
+    return (
+        (mask is None or mask.shape == (batch, past + 1))
+        and (positions is None or positions.shape == (batch, 1))
+        and past < max_positions
+    )
+
+
+# id(model) -> (weak reference to it, its layer count, config.max_position_embeddings), read once per model: both
+# are Python-level reads (a ModuleList length, transformers' config __getattribute__) worth skipping per step
+_FACTS: dict[int, tuple[Any, int, int]] = {}
+
+
+def _model_facts(model: Any) -> tuple[int, int]:
+    key = id(model)
+    facts = _FACTS.get(key)
+    if facts is None or facts[0]() is not model:
+        facts = (
+            weakref.ref(model, lambda _, key=key: _FACTS.pop(key, None)),
+            len(model.h),
+            model.config.max_position_embeddings,
+        )
+        _FACTS[key] = facts
+    return facts[1], facts[2]
 
 
 def _legacy_cache(legacy: tuple, config: Any) -> Any:
@@ -296,9 +366,7 @@ def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
     mask = inputs.get("attention_mask")
     positions = inputs.get("position_ids")
     if positions is not None and positions.shape[-1] != uncached:
-        inputs["position_ids"] = (
-            derive_positions(mask, uncached) if mask is not None and mask.dim() == 2 else None
-        )
+        inputs["position_ids"] = derive_positions(mask, uncached) if mask is not None and mask.dim() == 2 else None
     token_types = inputs.get("token_type_ids")
     if token_types is not None and token_types.shape[-1] != uncached:
         full_types = kwargs.get("token_type_ids")

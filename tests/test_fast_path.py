@@ -1,0 +1,217 @@
+"""The decode-step fast path: ``in_step`` lets a forward through untouched only where ``align`` would change nothing.
+
+``GPTNeoModel.forward``'s wrapper skips the general alignment for the hottest call there is, a single-token decode
+step that already keeps the contract.  These tests pin both directions: every step the fast path accepts is one
+``align`` returns unchanged (same tensors, no repair, no error), and the steps ``generate`` makes on the installed
+release do take it (otherwise the overhead budget of benchmarks/bench_decode.py is lost).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import inspect
+
+import pytest
+import torch
+import transformers
+
+import neofix
+from neofix import _compat, _wrappers
+from neofix._align import align
+from neofix.testing import reference_positions, tiny_gpt_neo
+
+from ._versions import as_cache_object, cache_keyword, legacy, output_cache
+from .loops import left_padded_batch
+
+
+def prefill(model, ids, mask):
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask), use_cache=True)
+    return output_cache(out)
+
+
+def uneven(cache):
+    """The cache with layer 1 one token short."""
+    layers = tuple((k[..., :-1, :], v[..., :-1, :]) if i == 1 else (k, v) for i, (k, v) in enumerate(legacy(cache)))
+    return layers if isinstance(cache, tuple) else as_cache_object(layers)
+
+
+def step_kwargs(model, variant):
+    """A decode step after a left-padded 5-token prompt (2 rows), changed as ``variant`` says."""
+    ids, mask = left_padded_batch([5, 3])
+    cache = prefill(model, ids, mask)
+    full = torch.cat([mask, mask.new_ones(2, 1)], -1)
+    kwargs = {
+        "input_ids": torch.tensor([[7], [8]]),
+        "attention_mask": full,
+        "position_ids": reference_positions(full)[:, -1:],
+        cache_keyword(): cache,
+        "use_cache": True,
+    }
+    if variant == "no mask":
+        kwargs["attention_mask"] = None
+    elif variant == "no mask, no positions":
+        kwargs["attention_mask"] = kwargs["position_ids"] = None
+    elif variant == "no positions":
+        kwargs["position_ids"] = None
+    elif variant == "stale mask":
+        kwargs["attention_mask"] = mask
+    elif variant == "long mask":
+        kwargs["attention_mask"] = torch.cat([full, full[:, :1]], -1)
+    elif variant == "full-length positions":
+        kwargs["position_ids"] = reference_positions(full)
+    elif variant == "one position row for all":
+        kwargs["position_ids"] = kwargs["position_ids"][:1]
+    elif variant == "two new tokens":
+        kwargs["input_ids"] = torch.tensor([[7, 9], [8, 9]])
+        kwargs["attention_mask"] = torch.cat([full, full[:, :1]], -1)
+        kwargs["position_ids"] = reference_positions(kwargs["attention_mask"])[:, -2:]
+    elif variant == "token types":
+        kwargs["token_type_ids"] = torch.zeros(2, 1, dtype=torch.long)
+    elif variant == "cache_position":
+        kwargs["cache_position"] = torch.tensor([5])
+    elif variant == "cache_position of 2":
+        kwargs["cache_position"] = torch.tensor([4, 5])
+    elif variant == "inputs_embeds too":
+        kwargs["inputs_embeds"] = torch.zeros(2, 1, model.config.hidden_size, dtype=model.dtype)
+    elif variant == "cache of other rows":
+        kwargs[cache_keyword()] = prefill(model, ids[:1], mask[:1])
+    elif variant == "uneven cache":
+        kwargs[cache_keyword()] = uneven(cache)
+    elif variant == "no cache":
+        kwargs[cache_keyword()] = None
+    elif variant == "legacy tuple cache":
+        kwargs[cache_keyword()] = legacy(cache)
+    elif variant == "1D input_ids":
+        kwargs["input_ids"] = torch.tensor([7])
+    else:
+        assert variant == "well-formed", variant
+    return kwargs
+
+
+FAST = {"well-formed", "no mask", "no mask, no positions", "cache_position"}
+SLOW = {
+    "no positions",
+    "stale mask",
+    "long mask",
+    "full-length positions",
+    "one position row for all",
+    "two new tokens",
+    "token types",
+    "cache_position of 2",
+    "inputs_embeds too",
+    "cache of other rows",
+    "uneven cache",
+    "no cache",
+    "1D input_ids",
+}
+
+
+def aligned_unchanged(model, kwargs):
+    """Whether align() returns every input as given, repairs nothing and raises nothing."""
+    past, cache_batch, lengths = _compat.read_cache(kwargs.get(cache_keyword()), model.config.num_layers)
+    try:
+        aligned = align(
+            input_ids=kwargs["input_ids"],
+            inputs_embeds=kwargs.get("inputs_embeds"),
+            attention_mask=kwargs["attention_mask"],
+            position_ids=kwargs["position_ids"],
+            token_type_ids=kwargs.get("token_type_ids"),
+            cache_position=kwargs.get("cache_position"),
+            past_length=past,
+            cache_batch=cache_batch,
+            limits=_wrappers._ConfigLimits(model.config),
+            strict=False,
+            check_values=False,
+            layer_lengths=lengths,
+        )
+    except neofix.NeofixError:
+        return False
+    return (
+        aligned is not None
+        and not aligned.repairs
+        and not aligned.values_checked
+        and aligned.attention_mask is kwargs["attention_mask"]
+        and aligned.position_ids is kwargs["position_ids"]
+        and aligned.cache_position is kwargs.get("cache_position")
+    )
+
+
+@pytest.mark.parametrize("variant", sorted(FAST | SLOW | {"legacy tuple cache"}))
+def test_fast_path_only_where_align_changes_nothing(model, variant):
+    kwargs = step_kwargs(model, variant)
+    fast = _wrappers.in_step(model.transformer, kwargs["input_ids"], kwargs)
+    if variant == "legacy tuple cache":  # transformers >= 4.54 rejects tuples: neofix must wrap them first
+        assert fast == (not _compat.LEGACY_CACHE_REJECTED)
+    else:
+        assert fast == (variant in FAST)
+    if fast:
+        assert aligned_unchanged(model, kwargs)
+
+
+@pytest.fixture(scope="module")
+def model32():
+    """float32: on transformers 4.36 - 4.44 neofix builds a float64 model's mask in float32 (the overflow fix), which
+    moves logits by rounding; this test compares the fast path alone."""
+    return tiny_gpt_neo(seed=0, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("variant", sorted(FAST))
+def test_fast_path_output_is_vanilla_output(model32, variant):
+    """Through the fast path, the patched forward computes exactly what vanilla does with the same arguments."""
+    model = model32
+    if variant == "cache_position" and "cache_position" not in inspect.signature(type(model).forward).parameters:
+        pytest.skip(f"GPT-Neo takes no cache_position argument on transformers {transformers.__version__}")
+    kwargs = step_kwargs(model, variant)
+    with torch.no_grad():
+        patched = model(**copy.deepcopy(kwargs)).logits
+        neofix.unpatch()
+        try:
+            plain = model(**copy.deepcopy(kwargs)).logits
+        finally:
+            neofix.patch()
+    assert torch.equal(patched, plain)
+
+
+@pytest.mark.parametrize("past", [62, 63, 64])
+def test_fast_path_stops_at_the_position_table(past):
+    """A step whose position would be ``max_position_embeddings`` leaves the fast path (and raises)."""
+    model = tiny_gpt_neo(dtype=torch.float64, max_position_embeddings=64)
+    ids = torch.randint(1, 96, (1, past))
+    cache = prefill(model, ids, torch.ones_like(ids))
+    kwargs = {"input_ids": torch.tensor([[5]]), "position_ids": torch.tensor([[past]]), cache_keyword(): cache}
+    assert _wrappers.in_step(model.transformer, kwargs["input_ids"], kwargs) == (past < 64)
+    if past == 64:
+        with pytest.raises(neofix.SequenceTooLongError, match="sequence length 65"):
+            model(**kwargs)
+
+
+def test_generate_takes_the_fast_path(model, monkeypatch):
+    """Every decode step of greedy generate on a left-padded batch is already aligned on this release."""
+    taken = []
+    real = _wrappers.in_step
+
+    def spy(gpt_neo, input_ids, kwargs):
+        result = real(gpt_neo, input_ids, kwargs)
+        taken.append((input_ids.shape[1], result))
+        return result
+
+    monkeypatch.setattr(_wrappers, "in_step", spy)
+    ids, mask = left_padded_batch([6, 4])
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    decode_steps = [fast for new, fast in taken if new == 1]
+    assert len(decode_steps) == 4 and all(decode_steps), taken
+
+
+def test_per_model_facts_do_not_keep_models_alive():
+    model = tiny_gpt_neo(num_layers=2)
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    key = id(model.transformer)
+    assert key in _wrappers._FACTS
+    del model
+    gc.collect()
+    assert key not in _wrappers._FACTS

@@ -169,6 +169,15 @@ def read_cache(cache: Any, layers: int) -> tuple[int | None, int | None, tuple[i
     """
     if cache is None:
         return 0, None, None
+    if type(cache) is tuple and cache and type(cache[0]) is tuple and len(cache[0]) == 2:  # legacy, up to 4.53
+        lengths = []
+        for layer in cache[:layers]:
+            key = layer[0] if layer else None
+            lengths.append(key.shape[-2] if key is not None else 0)
+        if len(lengths) < layers:
+            lengths += [0] * (layers - len(lengths))
+        key = cache[0][0]
+        return lengths[0], (key.shape[0] if key is not None else None), tuple(lengths)
     cache_layers = None if type(cache) is tuple else getattr(cache, "layers", None)
     if type(cache_layers) is list and cache_layers:  # transformers >= 4.56, the hot path of every decode step
         lengths = [_layer_length(layer) for layer in cache_layers[:layers]]

@@ -40,8 +40,7 @@ FLAT_INPUT_IDS_ACCEPTED = _release() < (4, 45)
 #: From 4.36 ``prepare_inputs_for_generation`` slices the uncached tokens itself (before, only the last one was fed).
 GENERATE_SLICES_UNCACHED = _release() >= (4, 36)
 
-#: Up to 4.44 each attention layer gets its own ``(key, value)`` pair, a view of the cache the model forward may not
-#: have been able to read up front; from 4.45 every layer gets the Cache object the model forward already read.
+#: Up to 4.44 each attention layer gets its own ``(key, value)`` pair; from 4.45 every layer gets the Cache object.
 ATTENTION_GETS_LAYER_PAIRS = _release() < (4, 45)
 
 #: From 4.45 GPT-Neo's forward takes ``Cache`` objects (4.45 - 4.53 still take tuples, logging a deprecation).

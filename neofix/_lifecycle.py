@@ -37,7 +37,7 @@ class _Target:
         name: str,  # as shown by ``neofix doctor``
         owner: str,  # attribute of the modeling module, or "" for the module itself
         attribute: str,
-        factory: str,  # name of the factory in neofix._wrappers: it receives the original, returns the replacement
+        factory: str,  # the factory in neofix._wrappers: it receives the original, returns the replacement ("": none)
         required: bool,  # missing -> warning; optional targets exist only in some releases
         needed: str = "",  # a flag of neofix._compat: the target is skipped on releases where it is False
         unneeded: str = "",  # why it is not needed there (shown by ``neofix doctor``)
@@ -63,11 +63,11 @@ TARGETS = (
         "GPTNeoSelfAttention.forward",
         "GPTNeoSelfAttention",
         "forward",
-        "make_attention_forward",
-        True,
-        "ATTENTION_GETS_LAYER_PAIRS",
-        "GPTNeoModel.forward checks every layer's cache before any layer runs, and the attention layers read the "
-        "same Cache object",
+        "",  # no wrapper: listed so that `neofix doctor` says why
+        False,
+        "",
+        "GPTNeoModel.forward reads every layer's cache length and refuses an uneven cache before any layer runs, so "
+        "the eager attention layers need no check of their own",
     ),
     _Target(
         "GPTNeoFlashAttention2.forward",
@@ -189,7 +189,7 @@ def _apply(module: Any) -> bool:
                 else:
                     _status[target.name] = ("skipped", f"not needed: this release has no {where}.{target.attribute}")
                 continue
-            if target.needed and not getattr(_compat, target.needed):
+            if not target.factory or (target.needed and not getattr(_compat, target.needed)):
                 _status[target.name] = ("skipped", f"not needed on transformers {version}: {target.unneeded}")
                 continue
             original = vars(owner).get(target.attribute, _MISSING)

@@ -2,8 +2,10 @@
 
 Data flows one way::
 
-    generate ──> prepare_inputs_for_generation ──> GPTNeoModel.forward ──> each attention layer
-                 (feed exactly the uncached tokens)  (align the step)        (check this layer's cache)
+    generate ──> prepare_inputs_for_generation ──> GPTNeoModel.forward ──> flash-attention-2 layers
+                 (feed exactly the uncached tokens)  (align the step, and     (refuse a step past the
+                                                      check every layer's      local window)
+                                                      cache before any runs)
 
 Each ``make_*`` factory takes the original function and returns the plain function that replaces it on its class
 (``functools.wraps``: same name, docstring and signature, ``__wrapped__`` set).  Plain functions rather than wrapt
@@ -15,14 +17,12 @@ Every wrapper steps aside while a trace or compilation runs (see :func:`neofix._
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
-from contextvars import ContextVar
 from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ._align import align, derive_positions, explain_index_error, raise_cache_length_error
+from ._align import align, derive_positions, explain_index_error
 from . import _compat
 from ._compat import cache_length, is_tracing, layer_cache_length, positional_names, read_cache
 from ._config import settings
@@ -44,16 +44,6 @@ class StepInfo(NamedTuple):
 
 #: Callables receiving a :class:`StepInfo` for every aligned forward (``neofix.trace`` registers here).
 STEP_LISTENERS: list[Callable[[StepInfo], None]] = []
-
-# The step being run in this thread/task: (tokens in the cache, the GPTNeoModel).  Attention layers compare
-# their own cache length with it.  Set only for a step whose layers the model forward could not all check.
-_STEP: ContextVar[tuple[int | None, Any] | None] = ContextVar("neofix_step", default=None)
-
-# Forwards now running (any thread) whose cache has a layer GPTNeoModel.forward could not read up front.  While it
-# is 0 (the usual case: every layer was checked before any ran) the attention wrapper does nothing at all.
-_layer_rechecks = 0
-_rechecks_lock = threading.Lock()
-
 
 class _ConfigLimits:
     """The :class:`~neofix._align.Limits` of a model, read from its config when used.
@@ -155,12 +145,6 @@ def make_model_forward(original: Any) -> Callable[..., Any]:
             )
             for listener in tuple(STEP_LISTENERS):
                 listener(info)
-        # attention layers re-check their own cache only where a layer's length could not be read above
-        # (and only then is _STEP, which they read, set: a ContextVar set and reset cost more than the rest here)
-        recheck = lengths is not None and None in lengths
-        if recheck:
-            _count_rechecks(1)
-            token = _STEP.set((past, self))
         try:
             return original(self, **kwargs)
         except IndexError as exc:
@@ -168,10 +152,6 @@ def make_model_forward(original: Any) -> Callable[..., Any]:
             # a bad id or position surfaces as this IndexError: name the value instead.
             explain_index_error(exc, limits, input_ids, aligned.token_type_ids, positions)
             raise
-        finally:
-            if recheck:
-                _STEP.reset(token)
-                _count_rechecks(-1)
 
     return forward
 
@@ -244,29 +224,6 @@ def _legacy_cache(legacy: tuple, config: Any) -> Any:
     return _compat.cache_from_legacy(legacy, config)
 
 
-def _count_rechecks(change: int) -> None:
-    global _layer_rechecks
-    with _rechecks_lock:
-        _layer_rechecks += change
-
-
-def make_attention_forward(original: Any) -> Callable[..., Any]:
-    """GPT-Neo's self-attention forward: this layer's cache must hold what layer 0 holds.
-
-    ``GPTNeoModel.forward`` compares every layer's length before any layer runs, so this check only runs for a
-    step whose cache had a layer the model could not read up front (it then sees the layer as the attention does:
-    on transformers up to 4.44 as a ``(key, value)`` pair).  Otherwise it costs one global read.
-    """
-
-    @functools.wraps(original)
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _layer_rechecks and not is_tracing():  # dynamo cannot trace ContextVar.get (regional compilation)
-            _recheck_layer(self, args, kwargs)
-        return original(self, *args, **kwargs)
-
-    return forward
-
-
 def make_flash_attention_forward(original: Any) -> Callable[..., Any]:
     """GPT-Neo's flash-attention-2 forward: refuse a step its missing local window would get wrong.
 
@@ -302,26 +259,6 @@ def _check_local_window(attention: Any, args: tuple, kwargs: dict) -> None:
             f"GPT-Neo applies no window: the local layers would silently attend to every token. Load the model with "
             f"attn_implementation='eager', or keep sequences within {window} tokens"
         )
-
-
-def _recheck_layer(attention: Any, args: tuple, kwargs: dict) -> None:
-    step = _STEP.get()
-    if step is None or step[0] is None:
-        return
-    layer_past = kwargs["layer_past"] if "layer_past" in kwargs else (args[2] if len(args) > 2 else None)
-    held = layer_cache_length(layer_past, getattr(attention, "layer_id", None))
-    if held is not None and held != step[0]:
-        raise_cache_length_error(_layer_index(step[1], attention), held, step[0])
-
-
-def _layer_index(model: Any, attention: Any) -> Any:
-    layer_id = getattr(attention, "layer_id", None)
-    if layer_id is not None:
-        return layer_id
-    for index, block in enumerate(getattr(model, "h", ())):
-        if block.attn.attention is attention:
-            return index
-    return "?"  # pragma: no cover - an attention module outside its model
 
 
 def make_prepare_inputs_for_generation(original: Any) -> Callable[..., Any]:
@@ -450,7 +387,6 @@ def make_prepare_4d_mask_float64(original: Any) -> Callable[..., Any]:
 __all__ = [
     "STEP_LISTENERS",
     "StepInfo",
-    "make_attention_forward",
     "make_flash_attention_forward",
     "make_generate",
     "make_model_forward",

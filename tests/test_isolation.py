@@ -30,7 +30,7 @@ def targets():
     module = importlib.import_module(_lifecycle.GPT_NEO_MODULE)
     found = []
     for target in _lifecycle.TARGETS:
-        if target.needed and not getattr(_compat, target.needed):
+        if not target.factory or (target.needed and not getattr(_compat, target.needed)):
             continue
         owner = getattr(module, target.owner, None) if target.owner else module
         if owner is not None and hasattr(owner, target.attribute):

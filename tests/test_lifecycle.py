@@ -75,9 +75,7 @@ def test_unpatch_restores_transformers_exactly():
     wrapped = [name for name, value in during.items() if value is not before[name]]
     assert "GPTNeoModel.forward" in wrapped
     assert "GPTNeoForCausalLM.generate" in wrapped
-    from neofix import _compat
-
-    assert ("GPTNeoSelfAttention.forward" in wrapped) is _compat.ATTENTION_GETS_LAYER_PAIRS
+    assert "GPTNeoSelfAttention.forward" not in wrapped  # GPTNeoModel.forward checks every layer up front
     for name in wrapped:
         assert during[name].__code__.co_filename.endswith("_wrappers.py")  # a plain function: dynamo can guard it
         assert during[name].__wrapped__ is (before[name] or during[name].__wrapped__)
@@ -104,12 +102,10 @@ def test_inherited_methods_are_deleted_not_copied():
 
 
 def test_status_names_every_target():
-    from neofix import _compat
-
     rows = {name: (state, reason) for name, state, reason in _lifecycle.status()}
     assert rows["GPTNeoModel.forward"][0] == "patched"
-    expected = "patched" if _compat.ATTENTION_GETS_LAYER_PAIRS else "skipped"
-    assert rows["GPTNeoSelfAttention.forward"][0] == expected
+    assert rows["GPTNeoSelfAttention.forward"][0] == "skipped"
+    assert "refuses an uneven cache before any layer runs" in rows["GPTNeoSelfAttention.forward"][1]
     assert set(rows) == {target.name for target in _lifecycle.TARGETS}
     for state, reason in rows.values():
         assert state in ("patched", "skipped") and reason
@@ -119,11 +115,12 @@ def test_status_names_every_target():
 
 def test_missing_target_warns_and_patches_the_rest(monkeypatch):
     neofix.unpatch()
-    monkeypatch.delattr(modeling_gpt_neo, "GPTNeoSelfAttention")
-    with pytest.warns(neofix.NeofixWarning, match="GPTNeoSelfAttention.forward does not exist"):
+    monkeypatch.delattr(modeling_gpt_neo, "GPTNeoForCausalLM")
+    with pytest.warns(neofix.NeofixWarning, match="GPTNeoForCausalLM.generate does not exist"):
         assert neofix.patch() is True
     rows = {name: state for name, state, _ in _lifecycle.status()}
-    assert rows["GPTNeoSelfAttention.forward"] == "missing"
+    assert rows["GPTNeoForCausalLM.generate"] == "missing"
+    assert rows["GPTNeoForCausalLM.prepare_inputs_for_generation"] == "missing"
     assert rows["GPTNeoModel.forward"] == "patched"
     neofix.unpatch()
     monkeypatch.undo()

@@ -215,7 +215,7 @@ def test_compile_the_base_model_directly(lm):
 
 @pytest.mark.parametrize("region", ["block", "attention"])
 def test_regional_compilation(region):
-    """``module.compile()`` on each block, or on each attention module (neofix's attention wrapper traced)."""
+    """``module.compile()`` on each block, or on each attention module (the module neofix's flash-attention-2 wrapper sits on)."""
 
     def run():
         _reset_dynamo()

@@ -99,6 +99,39 @@ def _trailing_pads_as_transformers(
     return torch.where(trailing, own.to(positions.dtype), positions)
 
 
+def step_unchanged(
+    *,
+    batch: int,
+    new: int,
+    mask_shape: tuple[int, ...] | None,
+    positions_shape: tuple[int, ...] | None,
+    token_types_given: bool,
+    cache_position_length: int | None,
+    past_length: int | None,
+    cache_batch: int | None,
+    layer_lengths: Sequence[int | None] | None,
+    max_positions: int,
+) -> bool:
+    """Whether :func:`align` (with ``check_values`` off) returns the step as given: nothing repaired, nothing raised,
+    no value read.  Shapes and ints only, so that a model forward can skip :func:`align` for the hottest call there
+    is, a single-token decode step that already keeps the contract.
+
+    True for one new token per row after a cache every layer of which holds the same ``p > 0`` tokens of the same
+    rows, with ``p + 1`` within the position table, no token types, a ``cache_position`` of one entry or none, and
+    either a 2D mask of ``p + 1`` columns with one position per row, or no mask (with one position per row or none:
+    transformers 5.x passes no mask for an unpadded batch).
+    """
+    if new != 1 or not past_length or cache_batch != batch or past_length >= max_positions or token_types_given:
+        return False
+    if cache_position_length not in (None, 1):
+        return False
+    if layer_lengths is None or layer_lengths.count(past_length) != len(layer_lengths):
+        return False
+    if mask_shape is None:
+        return positions_shape is None or positions_shape == (batch, 1)
+    return mask_shape == (batch, past_length + 1) and positions_shape == (batch, 1)
+
+
 def align(
     *,
     input_ids: torch.Tensor | None,

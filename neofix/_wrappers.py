@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ._align import align, derive_positions, explain_index_error
+from ._align import align, derive_positions, explain_index_error, step_unchanged
 from . import _compat
 from ._compat import cache_length, is_tracing, layer_cache_length, positional_names, read_cache
 from ._config import settings
@@ -157,39 +157,31 @@ def make_model_forward(original: Any) -> Callable[..., Any]:
 
 
 def in_step(model: Any, input_ids: Any, kwargs: dict) -> bool:
-    """Whether a forward is a single-token decode step that already keeps the step contract.
-
-    True only where :func:`~neofix._align.align` would change nothing, repair nothing and raise nothing (and, with
-    ``check_values`` off, check no value): one token per row, a cache every layer of which holds the same ``p > 0``
-    tokens of the same rows, a 2D mask of exactly ``p + 1`` columns with one position per row (or no mask, as
-    transformers 5.x passes for an unpadded batch, and positions or none), no token types, and ``p + 1`` within
-    ``max_position_embeddings``.  Shape reads only: no tensor is read.  The model forward then
-    calls transformers with the caller's arguments untouched, the cheapest path for the hottest call.
-    """
+    """Whether a forward given ``input_ids`` is a decode step :func:`~neofix._align.align` would leave as it is
+    (:func:`~neofix._align.step_unchanged`, read from the call's arguments and the cache's shapes; no tensor is read).
+    The model forward then calls transformers with the caller's arguments untouched."""
     shape = input_ids.shape
-    if len(shape) != 2 or shape[1] != 1:
-        return False
-    if kwargs.get("inputs_embeds") is not None or kwargs.get("token_type_ids") is not None:
-        return False
-    mask = kwargs.get("attention_mask")
-    positions = kwargs.get("position_ids")
-    if positions is None and mask is not None:  # positions to derive from the mask
-        return False
-    cache_position = kwargs.get("cache_position")
-    if cache_position is not None and cache_position.shape[-1] != 1:
+    if len(shape) != 2 or kwargs.get("inputs_embeds") is not None:
         return False
     cache = kwargs.get("cache") if "cache" in kwargs else kwargs.get("past_key_values")
     if cache is None or (type(cache) is tuple and _compat.LEGACY_CACHE_REJECTED):
         return False
+    mask = kwargs.get("attention_mask")
+    positions = kwargs.get("position_ids")
+    cache_position = kwargs.get("cache_position")
     layers, max_positions = _model_facts(model)
     past, cache_batch, lengths = read_cache(cache, layers)
-    batch = shape[0]
-    if not past or cache_batch != batch or lengths is None or lengths.count(past) != len(lengths):
-        return False
-    return (
-        (mask is None or mask.shape == (batch, past + 1))
-        and (positions is None or positions.shape == (batch, 1))
-        and past < max_positions
+    return step_unchanged(
+        batch=shape[0],
+        new=shape[1],
+        mask_shape=None if mask is None else mask.shape,
+        positions_shape=None if positions is None else positions.shape,
+        token_types_given=kwargs.get("token_type_ids") is not None,
+        cache_position_length=None if cache_position is None else cache_position.shape[-1],
+        past_length=past,
+        cache_batch=cache_batch,
+        layer_lengths=lengths,
+        max_positions=max_positions,
     )
 
 

@@ -15,7 +15,7 @@ from email.parser import HeaderParser
 from pathlib import Path
 
 IMPORT_CHECK = r"""
-import importlib.metadata, importlib.resources, sys
+import importlib.metadata, importlib.resources, importlib.util, sys
 import neofix
 version = importlib.metadata.version("neofix")
 assert neofix.__version__ == version, f"neofix.__version__ {neofix.__version__!r} != metadata version {version!r}"
@@ -26,8 +26,9 @@ assert not heavy, f"import neofix imported {heavy}"
 print(f"import neofix {neofix.__version__} from {neofix.__file__}: ok")
 plugins = [e for e in importlib.metadata.entry_points(group="pytest11") if e.name == "neofix"]
 assert [e.value for e in plugins] == ["pytest_neofix"], f"pytest11 entry points named neofix: {plugins}"
-plugins[0].load()
-print("pytest plugin pytest_neofix: loads")
+spec = importlib.util.find_spec("pytest_neofix")  # found, not imported: a clean env has no pytest
+assert spec is not None and spec.origin.startswith(sys.prefix), f"pytest_neofix is not installed: {spec}"
+print(f"pytest plugin pytest_neofix: installed at {spec.origin}")
 """
 
 

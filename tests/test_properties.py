@@ -39,7 +39,7 @@ import torch
 
 import neofix
 from neofix import _compat, _errors
-from neofix._align import Limits, align
+from neofix._align import Limits, align, step_unchanged
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 
 from ._versions import cache_keyword, has, legacy, output_cache
@@ -562,6 +562,19 @@ def test_align_core(case):
     if case.position_rows is not None:
         positions = torch.arange(case.position_columns).repeat(case.position_rows, 1)
     faults = core_faults(case)
+    # the model forward's fast path: where it says "unchanged", align must return the step exactly as given
+    unchanged = step_unchanged(
+        batch=case.batch,
+        new=case.new,
+        mask_shape=None if mask is None else mask.shape,
+        positions_shape=None if positions is None else positions.shape,
+        token_types_given=False,
+        cache_position_length=None,
+        past_length=case.past,
+        cache_batch=case.cache_batch,
+        layer_lengths=case.layers or None,
+        max_positions=CORE_LIMITS.max_positions,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", neofix.NeofixWarning)
         try:
@@ -579,10 +592,13 @@ def test_align_core(case):
             )
         except neofix.NeofixError as exc:
             event(f"outcome: {type(exc).__name__}")
+            assert not unchanged, f"the fast path would pass a step align refuses: {exc}"
             assert type(exc) in faults, f"{type(exc).__name__} ({exc}) raised, the contract says {faults or 'valid'}"
             return
-    event(f"outcome: aligned{' (repaired)' if aligned.repairs else ''}")
+    event(f"outcome: aligned{' (repaired)' if aligned.repairs else ''}{' (fast path)' if unchanged else ''}")
     assert not faults, f"no error, but the contract requires one of {faults}"
+    if unchanged:
+        assert not aligned.repairs and aligned.attention_mask is mask and aligned.position_ids is positions
     assert aligned.batch == case.batch and aligned.new_tokens == case.new
     if mask is not None:
         assert tuple(aligned.attention_mask.shape) == (case.batch, total)

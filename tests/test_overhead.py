@@ -237,7 +237,8 @@ def _new_modules(statement: str) -> set[str]:
     return set(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
-STDLIB_AT_IMPORT = "import threading, importlib, warnings, os"
+# __future__: what ``from __future__ import annotations`` loads (a few definitions; site may have loaded it already)
+STDLIB_AT_IMPORT = "import __future__, threading, importlib, warnings, os"
 
 
 def test_import_neofix_imports_only_its_own_modules_and_threading():

@@ -100,7 +100,6 @@ def _trailing_pads_as_transformers(
 
 
 def step_unchanged(
-    *,
     batch: int,
     new: int,
     mask_shape: tuple[int, ...] | None,

@@ -171,17 +171,17 @@ def in_step(model: Any, input_ids: Any, kwargs: dict) -> bool:
     cache_position = kwargs.get("cache_position")
     layers, max_positions = _model_facts(model)
     past, cache_batch, lengths = read_cache(cache, layers)
-    return step_unchanged(
-        batch=shape[0],
-        new=shape[1],
-        mask_shape=None if mask is None else mask.shape,
-        positions_shape=None if positions is None else positions.shape,
-        token_types_given=kwargs.get("token_type_ids") is not None,
-        cache_position_length=None if cache_position is None else cache_position.shape[-1],
-        past_length=past,
-        cache_batch=cache_batch,
-        layer_lengths=lengths,
-        max_positions=max_positions,
+    return step_unchanged(  # positional: this runs on every decode step
+        shape[0],  # batch
+        shape[1],  # new tokens
+        None if mask is None else mask.shape,
+        None if positions is None else positions.shape,
+        kwargs.get("token_type_ids") is not None,
+        None if cache_position is None else cache_position.shape[-1],
+        past,
+        cache_batch,
+        lengths,
+        max_positions,
     )
 
 

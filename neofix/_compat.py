@@ -117,9 +117,6 @@ def layer_lengths(cache: Any, layers: int) -> tuple[int | None, ...]:
     """
     if isinstance(cache, (tuple, list)):
         return tuple(layer_cache_length(cache[i], i) if i < len(cache) else 0 for i in range(layers))
-    cache_layers = getattr(cache, "layers", None)
-    if type(cache_layers) is list:  # transformers >= 4.56: ask each layer (Cache.get_seq_length(i) adds an ABC check)
-        return tuple(_layer_length(cache_layers[i]) if i < len(cache_layers) else 0 for i in range(layers))
     lengths: list[int | None] = []
     for i in range(layers):
         try:

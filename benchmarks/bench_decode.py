@@ -233,11 +233,11 @@ class WrapperSwitch:
     _MISSING = object()
 
     def __init__(self) -> None:
-        from neofix import _lifecycle
+        from neofix._families import GPT_NEO
 
-        module = importlib.import_module(_lifecycle.GPT_NEO_MODULE)
+        module = importlib.import_module(GPT_NEO.module)
         self.slots = []
-        for target in _lifecycle.TARGETS:
+        for target in GPT_NEO.targets:
             owner = getattr(module, target.owner, None) if target.owner else module
             if owner is not None and target.attribute != "generate":
                 self.slots.append((owner, target.attribute))

@@ -26,7 +26,7 @@ from ._errors import (
     SequenceTooLongError,
     TokenIdError,
 )
-from ._lifecycle import is_patched, patch, unpatch
+from ._lifecycle import is_patched, patch, patched, unpatch, unpatched
 from ._version import __version__
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
@@ -50,8 +50,10 @@ __all__ = [
     "configure",
     "is_patched",
     "patch",
+    "patched",
     "trace",
     "unpatch",
+    "unpatched",
 ]
 
 # Names that need torch are loaded on first use, so that ``import neofix`` stays cheap.

@@ -21,12 +21,13 @@ _FALSE = ("0", "false", "no", "off", "")
 
 
 class _Settings:
-    __slots__ = ("mode", "strict", "check_values")
+    __slots__ = ("check_values", "log_steps", "mode", "strict")
 
     def __init__(self) -> None:
         self.mode = "repair"
         self.strict = False
         self.check_values = False
+        self.log_steps = False  # NEOFIX_TRACE=1: log one line per step through logging.getLogger("neofix")
 
 
 settings = _Settings()
@@ -63,7 +64,8 @@ def configure(*, mode: str | None = None, check_values: bool | None = None) -> d
 
 
 def load_environment(environ: Any = os.environ) -> None:
-    """Apply ``NEOFIX_MODE`` and ``NEOFIX_CHECK_VALUES``; warn (never raise) on values it does not understand."""
+    """Apply ``NEOFIX_MODE``, ``NEOFIX_CHECK_VALUES`` and ``NEOFIX_TRACE``; warn (never raise) on values it does not
+    understand."""
     mode = environ.get("NEOFIX_MODE")
     if mode is not None and mode.strip():
         value = mode.strip().lower()
@@ -83,4 +85,13 @@ def load_environment(environ: Any = os.environ) -> None:
                 f"NEOFIX_CHECK_VALUES={check!r} is not a boolean (1/0, true/false); using 0",
                 NeofixWarning,
                 stacklevel=3,
+            )
+    trace = environ.get("NEOFIX_TRACE")
+    if trace is not None:
+        value = trace.strip().lower()
+        if value in _TRUE:
+            settings.log_steps = True
+        elif value not in _FALSE:
+            warnings.warn(
+                f"NEOFIX_TRACE={trace!r} is not a boolean (1/0, true/false); using 0", NeofixWarning, stacklevel=3
             )

@@ -1,10 +1,11 @@
-"""Patch lifecycle: ``patch()``, ``unpatch()``, ``is_patched()`` and the post-import hook.
+"""Patch lifecycle: ``patch()``, ``unpatch()``, ``is_patched()``, ``patched()`` / ``unpatched()``, and the import hooks.
 
-Importing this module imports neither torch nor transformers: ``import neofix`` only registers a post-import hook
-on GPT-Neo's modeling module (wrapt's, handed over when that module is first looked up, so that the import does not
-pay for importing wrapt), which applies the patch when transformers loads GPT-Neo (at once if it already has).
-Both verbs are idempotent and thread-safe; ``unpatch()`` restores transformers exactly (a wrapper installed on a
-subclass over an inherited method is deleted, not replaced by a copy).
+Importing this module imports neither torch nor transformers: ``import neofix`` only registers, per model family, a
+post-import hook on the family's modeling module (wrapt's, handed over when that module is first looked up, so that
+the import does not pay for importing wrapt), which applies the patch when transformers loads the module (at once if
+it already has).  Both verbs are idempotent and thread-safe; ``unpatch()`` restores transformers exactly (a wrapper
+installed on a subclass over an inherited method is deleted, not replaced by a copy), or refuses, changing nothing,
+when another library has wrapped one of the same attributes since.
 """
 
 from __future__ import annotations
@@ -15,214 +16,253 @@ import sys
 import threading
 import warnings
 
+from . import _errors
 from ._errors import NeofixWarning
+from ._families import FAMILIES, Family, Target
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time (it is most of the import cost)
 if TYPE_CHECKING:
     from typing import Any
 
-GPT_NEO_MODULE = "transformers.models.gpt_neo.modeling_gpt_neo"
-
 _MISSING = object()
 _lock = threading.RLock()
 
 
-class _Target:
-    """One attribute neofix replaces.  (A plain class: ``typing.NamedTuple`` would double the import time.)"""
-
-    __slots__ = ("attribute", "factory", "name", "needed", "owner", "required", "unneeded")
-
-    def __init__(
-        self,
-        name: str,  # as shown by ``neofix doctor``
-        owner: str,  # attribute of the modeling module, or "" for the module itself
-        attribute: str,
-        factory: str,  # the factory in neofix._wrappers: it receives the original, returns the replacement ("": none)
-        required: bool,  # missing -> warning; optional targets exist only in some releases
-        needed: str = "",  # a flag of neofix._compat: the target is skipped on releases where it is False
-        unneeded: str = "",  # why it is not needed there (shown by ``neofix doctor``)
-    ) -> None:
-        self.name, self.owner, self.attribute, self.factory = name, owner, attribute, factory
-        self.required, self.needed, self.unneeded = required, needed, unneeded
-
-    def __repr__(self) -> str:
-        return f"_Target({self.name!r})"
-
-
-TARGETS = (
-    _Target("GPTNeoModel.forward", "GPTNeoModel", "forward", "make_model_forward", True),
-    _Target(
-        "GPTNeoForCausalLM.prepare_inputs_for_generation",
-        "GPTNeoForCausalLM",
-        "prepare_inputs_for_generation",
-        "make_prepare_inputs_for_generation",
-        True,
-    ),
-    _Target("GPTNeoForCausalLM.generate", "GPTNeoForCausalLM", "generate", "make_generate", True),
-    _Target(
-        "GPTNeoSelfAttention.forward",
-        "GPTNeoSelfAttention",
-        "forward",
-        "",  # no wrapper: listed so that `neofix doctor` says why
-        False,
-        "",
-        "GPTNeoModel.forward reads every layer's cache length and refuses an uneven cache before any layer runs, so "
-        "the eager attention layers need no check of their own",
-    ),
-    _Target(
-        "GPTNeoFlashAttention2.forward",
-        "GPTNeoFlashAttention2",
-        "forward",
-        "make_flash_attention_forward",
-        False,
-    ),
-    _Target(
-        "_prepare_4d_causal_attention_mask (float64)",
-        "",
-        "_prepare_4d_causal_attention_mask",
-        "make_prepare_4d_mask_float64",
-        False,
-    ),
-)
-
-
 class _Applied:
-    __slots__ = ("attribute", "installed", "original", "owner")
+    __slots__ = ("attribute", "installed", "original", "owner", "target")
 
-    def __init__(self, owner: Any, attribute: str, original: Any, installed: Any) -> None:
+    def __init__(self, target: Target, owner: Any, original: Any, installed: Any) -> None:
+        self.target = target
         self.owner = owner
-        self.attribute = attribute
+        self.attribute = target.attribute
         self.original = original  # the owner's own attribute before patching, or _MISSING when it was inherited
         self.installed = installed  # the plain function neofix put there
 
+    def describe(self) -> str:
+        return f"{getattr(self.owner, '__name__', repr(self.owner))}.{self.attribute}"
 
-_applied: list[_Applied] = []
-_status: dict[str, tuple[str, str]] = {}
-_unpatched_by_user = False
-_log_steps = False  # NEOFIX_TRACE=1: log one line per step through logging.getLogger("neofix")
+
+_applied: dict[str, list[_Applied]] = {}  # family name -> what neofix installed there
+_status: dict[str, tuple[str, str]] = {}  # target name -> (state, reason)
+_hooks_enabled = True  # False after unpatch(): the import hooks no longer patch on their own
+# (family, target) -> (the original it wrapped, the factory, the wrapper): patching again over the same original
+# reinstalls the very same function, so that whatever keyed on it (torch.compile's guards, a reference) stays valid
+_built: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
 
 def is_patched() -> bool:
-    """True while neofix's wrappers are installed on GPT-Neo."""
-    return bool(_applied)
+    """True while neofix's wrappers are installed."""
+    return any(_applied.values())
 
 
 def patch() -> bool:
-    """Install neofix on transformers' GPT-Neo (importing it if needed).
+    """Install neofix on transformers (importing the modeling modules it patches, if needed).
 
     Returns True when this call installed the patch, False when it was already installed or could not be (an
     unsupported transformers, or none: a :class:`~neofix.NeofixWarning` says which).  Idempotent.
     """
-    global _unpatched_by_user
+    global _hooks_enabled
     with _lock:
-        _unpatched_by_user = False
-        if _applied:
-            return False
-        try:
-            module = importlib.import_module(GPT_NEO_MODULE)
-        except Exception as exc:  # transformers missing or broken: tell, never crash the caller
-            _warn(f"neofix: could not import {GPT_NEO_MODULE} ({type(exc).__name__}: {exc}); nothing patched")
-            return False
-        if _applied:  # importing GPT-Neo just now fired the post-import hook, which patched it
-            return True
-        return _apply(module)
+        _hooks_enabled = True
+        installed = False
+        for family in FAMILIES.values():
+            if _applied.get(family.name):
+                continue
+            try:
+                module = importlib.import_module(family.module)
+            except Exception as exc:  # transformers missing or broken: tell, never crash the caller
+                _warn(f"neofix: could not import {family.module} ({type(exc).__name__}: {exc}); nothing patched")
+                continue
+            if _applied.get(family.name):  # importing the module just now fired the post-import hook, which patched
+                installed = True
+                continue
+            installed = _apply(family, module) or installed
+        return installed
 
 
 def unpatch() -> bool:
-    """Remove neofix from GPT-Neo and restore transformers exactly.  Returns False if it was not patched.
+    """Remove neofix and restore transformers exactly.  Returns False if it was not patched.
 
-    After ``unpatch()`` the post-import hook no longer patches on its own; ``patch()`` installs it again.
+    After ``unpatch()`` the import hooks no longer patch on their own; ``patch()`` installs it again.  When another
+    library has wrapped one of the attributes neofix patched since neofix did, removing neofix's wrapper would remove
+    that library's too: nothing is changed then, a :class:`~neofix.NeofixWarning` names the attribute, and False is
+    returned (remove the other wrapper first).
     """
-    global _unpatched_by_user
+    global _hooks_enabled
     with _lock:
-        _unpatched_by_user = True
-        if not _applied:
+        _hooks_enabled = False
+        covered = [
+            applied.describe()
+            for applied_list in _applied.values()
+            for applied in applied_list
+            if vars(applied.owner).get(applied.attribute, _MISSING) is not applied.installed
+        ]
+        if covered:
+            _warn(
+                f"neofix: cannot unpatch: {', '.join(covered)} {'was' if len(covered) == 1 else 'were'} wrapped again "
+                f"by another library after neofix, and removing neofix's wrapper would remove that one too. Nothing "
+                f"was changed (neofix stays patched); remove the outer wrapper first, then call neofix.unpatch()"
+            )
             return False
-        for applied in reversed(_applied):
-            current = vars(applied.owner).get(applied.attribute, _MISSING)
-            if current is not applied.installed:
-                _warn(
-                    f"neofix: {_describe(applied)} was wrapped again by someone else after neofix; left in place "
-                    f"(remove the outer wrapper first)"
-                )
-                continue
-            if applied.original is _MISSING:
-                delattr(applied.owner, applied.attribute)
-            else:
-                setattr(applied.owner, applied.attribute, applied.original)
-        _applied.clear()
+        if not is_patched():
+            return False
+        for family_name in list(_applied):
+            _restore(_applied.pop(family_name))
         _status.clear()
         return True
 
 
 def status() -> list[tuple[str, str, str]]:
-    """``(target, state, reason)`` for every patch target; state is ``patched``, ``missing`` or ``skipped``."""
+    """``(target, state, reason)`` for every patch target; state is ``patched``, ``missing`` or ``skipped``
+    (``unpatched`` while neofix is not applied)."""
     with _lock:
         rows = []
-        for target in TARGETS:
-            state, reason = _status.get(target.name, ("unpatched", "neofix is not applied"))
-            rows.append((target.name, state, reason))
+        for family in FAMILIES.values():
+            for target in family.targets:
+                name = target_name(family, target)
+                state, reason = _status.get(name, ("unpatched", "neofix is not applied"))
+                rows.append((name, state, reason))
         return rows
 
 
-def _apply(module: Any) -> bool:
+def target_name(family: Family, target: Target) -> str:
+    """A target's name as ``neofix doctor`` shows it: ``Class.attribute``, or ``module.function``."""
+    return target.name if target.owner else f"{family.module.rsplit('.', 1)[-1]}.{target.attribute}"
+
+
+class patched:
+    """``with neofix.patched():`` runs the block with neofix installed, then puts back what was there before: the
+    patch state, whether the import hooks patch on their own, and which repairs were already reported."""
+
+    def __enter__(self) -> None:
+        self._saved = _save()
+        patch()
+
+    def __exit__(self, *exc: object) -> None:
+        _restore_state(self._saved)
+
+
+class unpatched:
+    """``with neofix.unpatched():`` runs the block on vanilla transformers, then puts back what was there before: the
+    patch state, whether the import hooks patch on their own, and which repairs were already reported.
+
+    Raises ``RuntimeError`` on entry when neofix cannot be removed (another library wrapped one of its targets).
+    """
+
+    def __enter__(self) -> None:
+        self._saved = _save()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NeofixWarning)
+            unpatch()
+        if is_patched():
+            _restore_state(self._saved)
+            raise RuntimeError(
+                "neofix.unpatched(): neofix cannot be removed, because another library wrapped one of the "
+                "attributes it patched after it did (neofix.unpatch() says which)"
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        _restore_state(self._saved)
+
+
+def _save() -> tuple[bool, bool, set[str]]:
+    with _lock, _errors._warned_lock:
+        return is_patched(), _hooks_enabled, set(_errors._warned)
+
+
+def _restore_state(saved: tuple[bool, bool, set[str]]) -> None:
+    global _hooks_enabled
+    was_patched, hooks_enabled, warned = saved
+    with _lock:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NeofixWarning)
+            if was_patched:
+                patch()
+            else:
+                unpatch()
+        _hooks_enabled = hooks_enabled
+    with _errors._warned_lock:
+        _errors._warned.clear()
+        _errors._warned.update(warned)
+
+
+def _apply(family: Family, module: Any) -> bool:
     from . import _compat, _wrappers
 
     version = _compat.transformers_version()
+    names = [(target, target_name(family, target)) for target in family.targets]
     if not _compat.is_supported(version):
-        for target in TARGETS:
-            _status[target.name] = ("skipped", f"transformers {version} is outside {_compat.SUPPORTED_TRANSFORMERS}")
+        for _, name in names:
+            _status[name] = ("skipped", f"transformers {version} is outside {_compat.SUPPORTED_TRANSFORMERS}")
         _warn(
             f"neofix: transformers {version} is outside the tested range {_compat.SUPPORTED_TRANSFORMERS}; "
-            f"GPT-Neo left unpatched. Install a supported transformers, or set NEOFIX_DISABLE=1 to silence this"
+            f"{family.title} left unpatched. Install a supported transformers, or set NEOFIX_DISABLE=1 to silence "
+            f"this"
         )
         return False
+    adapter = family.load_adapter()
+    applied: list[_Applied] = []
+    _applied[family.name] = applied
     try:
-        for target in TARGETS:
+        for target, name in names:
             owner = getattr(module, target.owner, None) if target.owner else module
             if owner is None or not hasattr(owner, target.attribute):
                 where = target.owner or module.__name__
                 reason = f"{where}.{target.attribute} does not exist in transformers {version}"
                 if target.required:
-                    _status[target.name] = ("missing", reason)
-                    _warn(f"neofix: {reason}; that part of GPT-Neo is left unpatched")
+                    _status[name] = ("missing", reason)
+                    _warn(f"neofix: {reason}; that part of {family.title} is left unpatched")
                 else:
-                    _status[target.name] = ("skipped", f"not needed: this release has no {where}.{target.attribute}")
+                    _status[name] = ("skipped", f"not needed: this release has no {where}.{target.attribute}")
                 continue
-            if not target.factory or (target.needed and not getattr(_compat, target.needed)):
-                _status[target.name] = ("skipped", f"not needed on transformers {version}: {target.unneeded}")
+            if not target.wrapper:
+                _status[name] = ("skipped", f"not needed on transformers {version}: {target.why}")
+                continue
+            if not _compat.in_range(target.since, target.until):
+                _status[name] = ("skipped", f"not needed on transformers {version}: {target.why or _gate(target)}")
                 continue
             original = vars(owner).get(target.attribute, _MISSING)
             # the factory wraps what the class resolves (its own attribute or the inherited one) in a plain function
-            installed = getattr(_wrappers, target.factory)(getattr(owner, target.attribute))
+            resolved = getattr(owner, target.attribute)
+            factory = getattr(_wrappers, target.wrapper)
+            built = _built.get((family.name, name))
+            if built is not None and built[0] is resolved and built[1] is factory:
+                installed = built[2]
+            else:
+                installed = factory(resolved, adapter)
+                _built[(family.name, name)] = (resolved, factory, installed)
             setattr(owner, target.attribute, installed)
-            _applied.append(_Applied(owner, target.attribute, original, installed))
+            applied.append(_Applied(target, owner, original, installed))
             inherited = " (inherited; wrapper installed on the class)" if original is _MISSING else ""
-            _status[target.name] = ("patched", f"transformers {version}{inherited}")
+            _status[name] = ("patched", f"transformers {version}{inherited}")
     except Exception:
         # never leave a half-applied patch behind
-        _unpatch_all_quietly()
+        _restore(_applied.pop(family.name))
+        for _, name in names:
+            _status.pop(name, None)
         raise
-    if _log_steps:  # NEOFIX_TRACE=1: log every step (needs torch, which transformers has imported by now)
+    from ._config import settings
+
+    if settings.log_steps:  # NEOFIX_TRACE=1: log every step (needs torch, which transformers has imported by now)
         from ._trace import log_steps
 
         log_steps()
     return True
 
 
-def _unpatch_all_quietly() -> None:
-    for applied in reversed(_applied):
-        if vars(applied.owner).get(applied.attribute, _MISSING) is applied.installed:
-            if applied.original is _MISSING:
-                delattr(applied.owner, applied.attribute)
+def _gate(target: Target) -> str:
+    if target.since and target.until:
+        return f"only transformers {target.since} to below {target.until} need it"
+    return f"only transformers {target.since} and later have it" if target.since else f"only below {target.until}"
+
+
+def _restore(applied: list[_Applied]) -> None:
+    for item in reversed(applied):
+        if vars(item.owner).get(item.attribute, _MISSING) is item.installed:
+            if item.original is _MISSING:
+                delattr(item.owner, item.attribute)
             else:
-                setattr(applied.owner, applied.attribute, applied.original)
-    _applied.clear()
-
-
-def _describe(applied: _Applied) -> str:
-    owner = getattr(applied.owner, "__name__", repr(applied.owner))
-    return f"{owner}.{applied.attribute}"
+                setattr(item.owner, item.attribute, item.original)
 
 
 def _warn(message: str) -> None:
@@ -230,68 +270,60 @@ def _warn(message: str) -> None:
 
 
 def _on_import(module: Any) -> None:
-    """Post-import hook: patch GPT-Neo as its module finishes loading.  Never raises into the user's import."""
+    """Post-import hook: patch a family as its module finishes loading.  Never raises into the user's import."""
+    family = next((f for f in FAMILIES.values() if f.module == module.__name__), None)
+    if family is None:
+        return
     with _lock:
-        if _applied or _unpatched_by_user:
+        if _applied.get(family.name) or not _hooks_enabled:
             return
         try:
-            _apply(module)
+            _apply(family, module)
         except Exception as exc:
-            _status.clear()
-            _warn(f"neofix: patching GPT-Neo failed ({type(exc).__name__}: {exc}); GPT-Neo left unpatched")
+            _warn(f"neofix: patching {family.title} failed ({type(exc).__name__}: {exc}); it is left unpatched")
 
 
 def register() -> None:
-    """Called once by ``import neofix``: read the environment and register the post-import hook."""
+    """Called once by ``import neofix``: read the environment and register the post-import hooks."""
     from ._config import load_environment
 
     load_environment()
-    _read_trace_environment()
     if os.environ.get("NEOFIX_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
         return
-    if GPT_NEO_MODULE in sys.modules:  # transformers already loaded GPT-Neo: wrapt's hook fires at once
-        _register_hook()
-    else:  # wait for it without importing wrapt, which alone takes longer than ``import neofix`` may
-        sys.meta_path.insert(0, _GPTNeoWatcher())
+    waiting = []
+    for family in FAMILIES.values():
+        if family.module in sys.modules:  # transformers already loaded the module: wrapt's hook fires at once
+            _register_hook(family.module)
+        else:
+            waiting.append(family.module)
+    if waiting:  # wait for them without importing wrapt, which alone takes longer than ``import neofix`` may
+        sys.meta_path.insert(0, _ModuleWatcher(waiting))
 
 
-def _register_hook() -> None:
+def _register_hook(module_name: str) -> None:
     import wrapt
 
-    wrapt.register_post_import_hook(_on_import, GPT_NEO_MODULE)
+    wrapt.register_post_import_hook(_on_import, module_name)
 
 
-class _GPTNeoWatcher:
-    """A ``sys.meta_path`` finder that waits for GPT-Neo's modeling module, then hands it to wrapt's import hook.
+class _ModuleWatcher:
+    """A ``sys.meta_path`` finder that waits for the families' modeling modules, then hands each to wrapt's hook.
 
-    It finds nothing itself.  The first time GPT-Neo's module is looked up, it registers wrapt's post-import hook
-    (importing wrapt then, while transformers is being imported anyway) and returns what wrapt's finder returns:
-    wrapt puts its finder first in ``sys.meta_path``, a place this lookup has already gone past.
+    It finds nothing itself.  The first time one of the modules is looked up, it registers wrapt's post-import hook
+    for it (importing wrapt then, while transformers is being imported anyway) and returns what wrapt's finder
+    returns: wrapt puts its finder first in ``sys.meta_path``, a place this lookup has already gone past.
     """
 
-    handed_over = False
+    def __init__(self, modules: list[str]) -> None:
+        self.waiting = set(modules)
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != GPT_NEO_MODULE or self.handed_over:
+        if fullname not in self.waiting:
             return None
-        self.handed_over = True
-        _register_hook()
+        self.waiting.discard(fullname)
+        _register_hook(fullname)
         for finder in sys.meta_path:
             if finder is not self and type(finder).__module__.startswith("wrapt"):
                 find_spec = getattr(finder, "find_spec", None)
                 return find_spec(fullname, path, target) if find_spec is not None else None
         return None
-
-
-def _read_trace_environment() -> None:
-    """``NEOFIX_TRACE``: read once, at import, like the other variables; a value it does not understand warns."""
-    global _log_steps
-    from ._config import _FALSE, _TRUE
-
-    value = os.environ.get("NEOFIX_TRACE")
-    if value is None:
-        return
-    if value.strip().lower() in _TRUE:
-        _log_steps = True
-    elif value.strip().lower() not in _FALSE:
-        _warn(f"NEOFIX_TRACE={value!r} is not a boolean (1/0, true/false); using 0")

@@ -24,13 +24,12 @@ from typing import Any
 
 import torch
 
-from . import _compat
-from ._align import derive_positions
+from . import _caches, _compat
+from ._core import derive_positions
 from ._errors import BatchMismatchError, CacheLengthError, InputShapeError, MaskLengthError, NeofixError
 
 __all__ = ["DecodeState"]
 
-_GPT_NEO = "transformers.models.gpt_neo.modeling_gpt_neo"
 _keyword: str | None = None
 
 
@@ -40,23 +39,16 @@ def _cache_keyword() -> str:
     if _keyword is None:
         import importlib
 
-        module = importlib.import_module(_GPT_NEO)
-        _keyword = _compat.cache_keyword(module.GPTNeoForCausalLM.forward)
+        from ._families import GPT_NEO
+
+        module = importlib.import_module(GPT_NEO.module)
+        _keyword = _caches.keyword(getattr(module, GPT_NEO.causal_lm).forward)
     return _keyword
 
 
-def _is_legacy(cache: Any) -> bool:
-    """A legacy cache: a non-empty tuple of per-layer ``(key, value)`` pairs of 4D tensors."""
-    return (
-        isinstance(cache, (tuple, list))
-        and len(cache) > 0
-        and all(
-            isinstance(layer, (tuple, list))
-            and len(layer) >= 2
-            and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in layer[:2])
-            for layer in cache
-        )
-    )
+def _cache_objects_accepted() -> bool:
+    """From 4.45 GPT-Neo's forward takes ``Cache`` objects (4.45 - 4.53 still take tuples, logging a deprecation)."""
+    return _compat.release() >= (4, 45)
 
 
 def _cache_of(out: Any, where: str) -> Any:
@@ -70,7 +62,7 @@ def _cache_of(out: Any, where: str) -> Any:
             f"model with use_cache=True, as model(**state.model_inputs()) does"
         )
     if isinstance(out, (tuple, list)):
-        if _is_legacy(out):
+        if _caches.is_legacy(out):
             return out
         if out and isinstance(out[0], torch.Tensor):
             raise TypeError(
@@ -92,10 +84,10 @@ def _cache_of(out: Any, where: str) -> Any:
 def _preferred(cache: Any) -> Any:
     """The cache in the format the installed GPT-Neo takes without complaint (no copy where none is needed)."""
     if isinstance(cache, (tuple, list)):
-        if _compat.CACHE_OBJECTS_ACCEPTED:  # 4.45 - 4.53 log a deprecation for tuples, 4.54+ reject them
-            return _compat.cache_from_legacy(tuple(tuple(layer) for layer in cache), None)
+        if _cache_objects_accepted():  # 4.45 - 4.53 log a deprecation for tuples, 4.54+ reject them
+            return _caches.from_legacy(tuple(tuple(layer) for layer in cache), None)
         return cache
-    if not _compat.CACHE_OBJECTS_ACCEPTED:  # 4.36 - 4.44: transformers has Cache objects, GPT-Neo takes tuples
+    if not _cache_objects_accepted():  # 4.36 - 4.44: transformers has Cache objects, GPT-Neo takes tuples
         to_legacy = getattr(cache, "to_legacy_cache", None)
         if to_legacy is None:
             raise TypeError(
@@ -342,7 +334,8 @@ class DecodeState:
         self._validate(cache, self._cached, self._sequences.shape[0], where, hint)
 
     def _validate(self, cache: Any, length: int, batch: int, where: str, hint: str) -> None:
-        held, rows = _compat.cache_state(cache)
+        view = _caches.read(cache, 1)
+        held, rows = view.length, view.batch
         if rows is not None and rows != batch:
             raise BatchMismatchError(
                 f"{where}: the cache holds {rows} rows, but the state holds {batch}: reorder or select the cache "

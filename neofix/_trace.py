@@ -17,13 +17,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ._compat import cache_state, is_tracing, positional_names
-from ._wrappers import STEP_LISTENERS, StepInfo
+from . import _caches
+from ._compat import is_tracing, positional_names
+from ._reports import StepInfo, add_listener, listeners_lock, remove_listener
 
 __all__ = ["Step", "trace"]
 
-_GPT_NEO = "transformers.models.gpt_neo.modeling_gpt_neo"
-_listeners_lock = threading.Lock()
+_WRAPPER_MARK = "__neofix_wrapper__"  # set on every function neofix installs (neofix._wrappers.MARK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +150,7 @@ def _from_call(index: int, module: Any, args: tuple, kwargs: dict) -> Step | Non
         batch, new, device = embeds.shape[0], embeds.shape[1], embeds.device
     else:
         return None
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    cached, _ = cache_state(cache)
+    cached = _caches.length(_caches.of_call(kwargs)[1])
     mask = kwargs.get("attention_mask")
     given = int(mask.shape[-1]) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
     return _summarise(
@@ -163,7 +162,9 @@ def _gpt_neo_model(model: Any) -> Any:
     """The one ``GPTNeoModel`` inside ``model`` (or ``model`` itself)."""
     import importlib
 
-    gpt_neo_model = importlib.import_module(_GPT_NEO).GPTNeoModel
+    from ._families import GPT_NEO
+
+    gpt_neo_model = getattr(importlib.import_module(GPT_NEO.module), GPT_NEO.base_model)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"neofix.trace needs a GPT-Neo model (a torch.nn.Module), got {type(model).__name__}")
     found = [module for module in model.modules() if isinstance(module, gpt_neo_model)]
@@ -179,10 +180,9 @@ def _gpt_neo_model(model: Any) -> Any:
     return found[0]
 
 
-def _is_patched() -> bool:
-    from ._lifecycle import is_patched
-
-    return is_patched()
+def _is_patched(module: Any) -> bool:
+    """Whether neofix's wrapper sits on this model's forward (its listener then records the forward)."""
+    return getattr(type(module).forward, _WRAPPER_MARK, False)
 
 
 @contextlib.contextmanager
@@ -213,33 +213,24 @@ def trace(model: Any) -> Iterator[list[Step]]:
             add(lambda index: _from_info(index, info))
 
     def pre_hook(module: Any, args: tuple, kwargs: dict) -> None:
-        if _is_patched():  # the patch's listener records this forward, aligned
+        if _is_patched(module):  # the patch's listener records this forward, aligned
             return
         first = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if is_tracing(first):
             return
         add(lambda index: _from_call(index, module, args, kwargs))
 
-    with _listeners_lock:
-        STEP_LISTENERS.append(listener)
+    add_listener(listener)
     try:
         handle = target.register_forward_pre_hook(pre_hook, with_kwargs=True)
     except BaseException:
-        _remove(listener)
+        remove_listener(listener)
         raise
     try:
         yield steps
     finally:
         handle.remove()
-        _remove(listener)
-
-
-def _remove(listener: Callable[[StepInfo], None]) -> None:
-    with _listeners_lock:
-        for position, registered in enumerate(STEP_LISTENERS):
-            if registered is listener:
-                del STEP_LISTENERS[position]
-                break
+        remove_listener(listener)
 
 
 # -- NEOFIX_TRACE=1 ---------------------------------------------------------------------------------------------------
@@ -250,7 +241,7 @@ _log_counters: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 def _log_listener(info: StepInfo) -> None:
     # number the steps of each model's sequence: a step with an empty cache starts a new one
-    with _listeners_lock:
+    with listeners_lock:
         index = 0 if not info.cached_tokens else _log_counters.get(info.model, 0)
         _log_counters[info.model] = index + 1
     line = f"neofix: {type(info.model).__name__} {_from_info(index, info)}"
@@ -264,6 +255,4 @@ def log_steps() -> None:
     """Log every aligned forward at INFO through ``logging.getLogger("neofix")`` (``NEOFIX_TRACE=1``).  Idempotent."""
     if _LOGGER.level == logging.NOTSET:
         _LOGGER.setLevel(logging.INFO)
-    with _listeners_lock:
-        if not any(registered is _log_listener for registered in STEP_LISTENERS):
-            STEP_LISTENERS.append(_log_listener)
+    add_listener(_log_listener)

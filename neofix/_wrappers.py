@@ -1,79 +1,52 @@
-"""The wrappers neofix installs on GPT-Neo.  Each is thin: read the step, call the pure core, call the original.
+"""The wrappers neofix installs.  Each is thin: read the step, call the pure core, call the original.
 
 Data flows one way::
 
-    generate ──> prepare_inputs_for_generation ──> GPTNeoModel.forward ──> flash-attention-2 layers
+    generate ──> prepare_inputs_for_generation ──> <Family>Model.forward ──> flash-attention-2 layers
                  (feed exactly the uncached tokens)  (align the step, and     (refuse a step past the
                                                       check every layer's      local window)
                                                       cache before any runs)
 
-Each ``make_*`` factory takes the original function and returns the plain function that replaces it on its class
-(``functools.wraps``: same name, docstring and signature, ``__wrapped__`` set).  Plain functions rather than wrapt
-proxies, because dynamo cannot build its guards on a proxy (``torch.compile`` would fail with "Guard failed on
-the same frame it was created"), and because a plain function is the cheapest thing to call on every decode step.
-Every wrapper steps aside while a trace or compilation runs (see :func:`neofix._compat.is_tracing`).
+Each ``make_*`` factory takes the original function and the family's adapter (:mod:`neofix._families`) and returns
+the plain function that replaces it on its class (``functools.wraps``: same name, docstring and signature,
+``__wrapped__`` set).  Plain functions rather than wrapt proxies, because dynamo cannot build its guards on a proxy
+(``torch.compile`` would fail with "Guard failed on the same frame it was created"), and because a plain function
+is the cheapest thing to call on every decode step.  Every wrapper steps aside while a trace or compilation runs
+(see :func:`neofix._compat.is_tracing`).
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 
-from ._align import align, derive_positions, explain_index_error, step_unchanged
-from . import _compat
-from ._compat import cache_length, is_tracing, layer_cache_length, positional_names, read_cache
+from . import _caches, _compat, _reports
+from ._compat import is_tracing, positional_names
 from ._config import settings
+from ._core import Limits, StepInputs, align, derive_positions, explain_index_error, step_unchanged
 from ._errors import AttentionWindowError, MaskLengthError, NeofixError, SequenceTooLongError, warn_once
+from ._reports import StepInfo
+
+#: Marks every function neofix installs (``neofix.trace`` tells a patched model by it).
+MARK = "__neofix_wrapper__"
 
 
-class StepInfo(NamedTuple):
-    """What one ``GPTNeoModel.forward`` was given and what neofix made of it (for traces)."""
-
-    model: Any
-    batch: int
-    new_tokens: int
-    cached_tokens: int | None
-    mask_length_given: int | None
-    attention_mask: Any
-    position_ids: Any
-    repairs: tuple[str, ...]
+def _mark(function: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(function, MARK, True)
+    return function
 
 
-#: Callables receiving a :class:`StepInfo` for every aligned forward (``neofix.trace`` registers here).
-STEP_LISTENERS: list[Callable[[StepInfo], None]] = []
-
-class _ConfigLimits:
-    """The :class:`~neofix._align.Limits` of a model, read from its config when used.
-
-    A decode step needs only ``max_positions``; config reads are Python-level in transformers (``__getattribute__``),
-    so the two a decode step does not need are not read.
-    """
-
-    __slots__ = ("_config",)
-
-    def __init__(self, config: Any) -> None:
-        self._config = config
-
-    @property
-    def max_positions(self) -> int:
-        return self._config.max_position_embeddings  # type: ignore[no-any-return]
-
-    @property
-    def vocab_size(self) -> int:
-        return self._config.vocab_size  # type: ignore[no-any-return]
-
-    @property
-    def hidden_size(self) -> int:
-        return self._config.hidden_size  # type: ignore[no-any-return]
-
-
-def make_model_forward(original: Any) -> Callable[..., Any]:
-    """``GPTNeoModel.forward``: every caller passes here (generate, hand-written loops, pipelines, heads)."""
+def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
+    """``<Family>Model.forward``: every caller passes here (generate, hand-written loops, pipelines, heads)."""
     names = positional_names(original)
     first_name = names[0] if names else "input_ids"
+    flat_input_ids_accepted = adapter.FLAT_INPUT_IDS_ACCEPTED
+    legacy_cache_rejected = adapter.LEGACY_CACHE_REJECTED
+    read_cache = adapter.read_cache
+    listeners = _reports.listeners
 
     @functools.wraps(original)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -82,49 +55,46 @@ def make_model_forward(original: Any) -> Callable[..., Any]:
             first = kwargs.get("inputs_embeds")
         if is_tracing(first):
             return original(self, *args, **kwargs)
-        if (
-            len(args) <= 1
-            and first is not None
-            and not STEP_LISTENERS
-            and not settings.check_values
-            and (args or "input_ids" in kwargs)
-            and in_step(self, first, kwargs)
-        ):
-            # the usual decode step, already aligned: align() would return every input unchanged
-            try:
-                return original(self, *args, **kwargs)
-            except IndexError as exc:
-                explain_index_error(exc, _ConfigLimits(self.config), first, None, kwargs.get("position_ids"))
-                raise
+        layers, limits = _model_facts(self, adapter)
+        if len(args) <= 1 and first is not None and not settings.check_values and (args or "input_ids" in kwargs):
+            cache = aligned_decode_step(first, kwargs, layers, limits, read_cache, legacy_cache_rejected)
+            if cache is not None:
+                # the usual decode step, already aligned: align() would return every input unchanged
+                if listeners:
+                    mask = kwargs.get("attention_mask")
+                    _reports.emit(
+                        StepInfo(
+                            self, first.shape[0], 1, cache.length, None if mask is None else mask.shape[-1], mask,
+                            kwargs.get("position_ids"), (),
+                        )
+                    )
+                try:
+                    return original(self, *args, **kwargs)
+                except IndexError as exc:
+                    explain_index_error(exc, limits, first, None, kwargs.get("position_ids"))
+                    raise
         if args:  # generate and the heads pass input_ids alone positionally: skip zip() for that case
             kwargs = {first_name: args[0], **kwargs} if len(args) == 1 else {**dict(zip(names, args)), **kwargs}
         input_ids = kwargs.get("input_ids")
-        if input_ids is not None and input_ids.dim() != 2 and _compat.FLAT_INPUT_IDS_ACCEPTED:
+        if input_ids is not None and input_ids.dim() != 2 and flat_input_ids_accepted:
             return original(self, **kwargs)  # 1D input_ids: transformers up to 4.44 read them as one row
-        cache_key = "cache" if "cache" in kwargs else "past_key_values"
-        cache = kwargs.get(cache_key)
-        config = self.config
-        if type(cache) is tuple and cache and _compat.LEGACY_CACHE_REJECTED:
-            kwargs[cache_key] = cache = _legacy_cache(cache, config)
-        past, cache_batch, lengths = read_cache(cache, len(self.h))
+        key, cache = _caches.of_call(kwargs)
+        if type(cache) is tuple and cache and legacy_cache_rejected:
+            kwargs[key] = cache = _legacy_cache(cache, self.config)
+        view = read_cache(cache, layers)
         mask = kwargs.get("attention_mask")
-        limits = _ConfigLimits(config)
-        aligned = align(
-            input_ids=input_ids,
-            inputs_embeds=kwargs.get("inputs_embeds"),
-            attention_mask=mask,
-            position_ids=kwargs.get("position_ids"),
-            token_type_ids=kwargs.get("token_type_ids"),
-            cache_position=kwargs.get("cache_position"),
-            past_length=past,
-            cache_batch=cache_batch,
-            limits=limits,
-            strict=settings.strict,
-            check_values=settings.check_values,
-            layer_lengths=lengths,
+        step = StepInputs(
+            input_ids,
+            kwargs.get("inputs_embeds"),
+            mask,
+            kwargs.get("position_ids"),
+            kwargs.get("token_type_ids"),
+            kwargs.get("cache_position"),
         )
+        aligned = align(step, view, limits, strict=settings.strict, check_values=settings.check_values)
         if aligned is None:
             return original(self, **kwargs)
+        _reports.warn_repairs(aligned.repairs)
         positions = aligned.position_ids
         kwargs["attention_mask"] = aligned.attention_mask
         kwargs["position_ids"] = positions
@@ -132,19 +102,19 @@ def make_model_forward(original: Any) -> Callable[..., Any]:
             kwargs["token_type_ids"] = aligned.token_type_ids
         if "cache_position" in kwargs:
             kwargs["cache_position"] = aligned.cache_position
-        if STEP_LISTENERS:
-            info = StepInfo(
-                self,
-                aligned.batch,
-                aligned.new_tokens,
-                past,
-                None if mask is None else mask.shape[-1],
-                aligned.attention_mask,
-                positions,
-                aligned.repairs,
+        if listeners:
+            _reports.emit(
+                StepInfo(
+                    self,
+                    aligned.batch,
+                    aligned.new_tokens,
+                    view.length,
+                    None if mask is None else mask.shape[-1],
+                    aligned.attention_mask,
+                    positions,
+                    aligned.repair_kinds,
+                )
             )
-            for listener in tuple(STEP_LISTENERS):
-                listener(info)
         try:
             return original(self, **kwargs)
         except IndexError as exc:
@@ -153,51 +123,51 @@ def make_model_forward(original: Any) -> Callable[..., Any]:
             explain_index_error(exc, limits, input_ids, aligned.token_type_ids, positions)
             raise
 
-    return forward
+    return _mark(forward)
 
 
-def in_step(model: Any, input_ids: Any, kwargs: dict) -> bool:
-    """Whether a forward given ``input_ids`` is a decode step :func:`~neofix._align.align` would leave as it is
-    (:func:`~neofix._align.step_unchanged`, read from the call's arguments and the cache's shapes; no tensor is read).
-    The model forward then calls transformers with the caller's arguments untouched."""
+def aligned_decode_step(
+    input_ids: Any, kwargs: dict, layers: int, limits: Limits, read_cache: Any, legacy_cache_rejected: bool
+) -> Any:
+    """The cache view of a decode step :func:`~neofix._core.align` would leave as it is (see
+    :func:`~neofix._core.step_unchanged`, read from the call's arguments and the cache's shapes; no tensor is read),
+    or ``None``.  The model forward then calls transformers with the caller's arguments untouched."""
     shape = input_ids.shape
     if len(shape) != 2 or kwargs.get("inputs_embeds") is not None:
-        return False
-    cache = kwargs.get("cache") if "cache" in kwargs else kwargs.get("past_key_values")
-    if cache is None or (type(cache) is tuple and _compat.LEGACY_CACHE_REJECTED):
-        return False
+        return None
+    cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
+    if cache is None or (type(cache) is tuple and legacy_cache_rejected):
+        return None
     mask = kwargs.get("attention_mask")
     positions = kwargs.get("position_ids")
     cache_position = kwargs.get("cache_position")
-    layers, max_positions = _model_facts(model)
-    past, cache_batch, lengths = read_cache(cache, layers)
-    return step_unchanged(  # positional: this runs on every decode step
+    view = read_cache(cache, layers)
+    unchanged = step_unchanged(  # positional: this runs on every decode step
         shape[0],  # batch
         shape[1],  # new tokens
         None if mask is None else mask.shape,
         None if positions is None else positions.shape,
         kwargs.get("token_type_ids") is not None,
         None if cache_position is None else cache_position.shape[-1],
-        past,
-        cache_batch,
-        lengths,
-        max_positions,
+        view,
+        limits.max_positions,
     )
+    return view if unchanged else None
 
 
-# id(model) -> (weak reference to it, its layer count, config.max_position_embeddings), read once per model: both
-# are Python-level reads (a ModuleList length, transformers' config __getattribute__) worth skipping per step
-_FACTS: dict[int, tuple[Any, int, int]] = {}
+# id(model) -> (weak reference to it, its layer count, its Limits), read once per model: both are Python-level
+# reads (a ModuleList length, transformers' config __getattribute__) worth skipping per step
+_FACTS: dict[int, tuple[Any, int, Limits]] = {}
 
 
-def _model_facts(model: Any) -> tuple[int, int]:
+def _model_facts(model: Any, adapter: Any) -> tuple[int, Limits]:
     key = id(model)
     facts = _FACTS.get(key)
     if facts is None or facts[0]() is not model:
         facts = (
             weakref.ref(model, lambda _, key=key: _FACTS.pop(key, None)),
-            len(model.h),
-            model.config.max_position_embeddings,
+            adapter.layers(model),
+            adapter.limits(model.config),
         )
         _FACTS[key] = facts
     return facts[1], facts[2]
@@ -213,10 +183,10 @@ def _legacy_cache(legacy: tuple, config: Any) -> Any:
             f"in transformers.DynamicCache"
         )
     warn_once("legacy_cache", f"neofix: {described}; wrapped it in a DynamicCache. Reported once.")
-    return _compat.cache_from_legacy(legacy, config)
+    return _caches.from_legacy(legacy, config)
 
 
-def make_flash_attention_forward(original: Any) -> Callable[..., Any]:
+def make_flash_attention_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     """GPT-Neo's flash-attention-2 forward: refuse a step its missing local window would get wrong.
 
     transformers' flash-attention-2 path for GPT-Neo applies no sliding window, so a local layer attends to every
@@ -230,7 +200,7 @@ def make_flash_attention_forward(original: Any) -> Callable[..., Any]:
             _check_local_window(self, args, kwargs)
         return original(self, *args, **kwargs)
 
-    return forward
+    return _mark(forward)
 
 
 def _check_local_window(attention: Any, args: tuple, kwargs: dict) -> None:
@@ -240,7 +210,7 @@ def _check_local_window(attention: Any, args: tuple, kwargs: dict) -> None:
         return
     hidden = args[0] if args else kwargs["hidden_states"]
     layer_past = kwargs["layer_past"] if "layer_past" in kwargs else (args[2] if len(args) > 2 else None)
-    held = layer_cache_length(layer_past, getattr(attention, "layer_id", None))
+    held = _caches.layer_length(layer_past, getattr(attention, "layer_id", None))
     if held is None:
         return
     total = held + hidden.shape[-2]
@@ -253,7 +223,7 @@ def _check_local_window(attention: Any, args: tuple, kwargs: dict) -> None:
         )
 
 
-def make_prepare_inputs_for_generation(original: Any) -> Callable[..., Any]:
+def make_prepare_inputs_for_generation(original: Any, adapter: Any) -> Callable[..., Any]:
     """``GPTNeoForCausalLM.prepare_inputs_for_generation``: feed exactly the uncached tokens.
 
     transformers up to 4.35 feeds only the last token whenever a cache is present, which silently drops tokens
@@ -261,14 +231,16 @@ def make_prepare_inputs_for_generation(original: Any) -> Callable[..., Any]:
     wrapper then changes nothing.
     """
 
+    slices_uncached = _compat.release() >= (4, 36)  # transformers >= 4.36 feeds the uncached tokens itself
+
     @functools.wraps(original)
     def prepare_inputs_for_generation(self: Any, *args: Any, **kwargs: Any) -> Any:
         inputs = original(self, *args, **kwargs)
-        if _compat.GENERATE_SLICES_UNCACHED:  # transformers >= 4.36 feeds the uncached tokens itself
+        if slices_uncached:
             return inputs
         return _uncached_inputs(inputs, args, kwargs)
 
-    return prepare_inputs_for_generation
+    return _mark(prepare_inputs_for_generation)
 
 
 def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
@@ -279,7 +251,7 @@ def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
     cache = inputs.get("cache", inputs.get("past_key_values"))
     if cache is None:
         return inputs
-    past = cache_length(cache)
+    past = _caches.length(cache)
     if past is None or past == 0:
         return inputs
     uncached = full.shape[-1] - past
@@ -304,7 +276,7 @@ def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
     return inputs
 
 
-def make_generate(original: Any) -> Callable[..., Any]:
+def make_generate(original: Any, adapter: Any) -> Callable[..., Any]:
     """``GPTNeoForCausalLM.generate``: refuse, before any forward, a length the model cannot reach."""
 
     @functools.wraps(original)
@@ -312,7 +284,7 @@ def make_generate(original: Any) -> Callable[..., Any]:
         _check_generate_length(self, args, kwargs)
         return original(self, *args, **kwargs)
 
-    return generate
+    return _mark(generate)
 
 
 def _check_generate_length(instance: Any, args: tuple, kwargs: dict) -> None:
@@ -355,8 +327,8 @@ def _generate_length(model: Any, kwargs: dict, prompt_length: int) -> tuple[int 
     return None, ""
 
 
-def make_prepare_4d_mask_float64(original: Any) -> Callable[..., Any]:
-    """``_prepare_4d_causal_attention_mask`` of GPT-Neo's module (transformers 4.36 - 4.44), in float64.
+def make_prepare_4d_mask_for_float64(original: Any, adapter: Any) -> Callable[..., Any]:
+    """``_prepare_4d_causal_attention_mask`` of GPT-Neo's module (transformers 4.36 - 4.44), for float64 models.
 
     Its causal-mask helper fills a float32 tensor with ``finfo(float64).min`` and raises "value cannot be converted
     to type float without overflow".  GPT-Neo computes attention scores in float32 anyway, so the mask is built in
@@ -373,15 +345,14 @@ def make_prepare_4d_mask_float64(original: Any) -> Callable[..., Any]:
             return original(**bound)
         return original(*args, **kwargs)
 
-    return prepare_4d_causal_attention_mask
+    return _mark(prepare_4d_causal_attention_mask)
 
 
 __all__ = [
-    "STEP_LISTENERS",
-    "StepInfo",
+    "MARK",
     "make_flash_attention_forward",
     "make_generate",
     "make_model_forward",
-    "make_prepare_4d_mask_float64",
+    "make_prepare_4d_mask_for_float64",
     "make_prepare_inputs_for_generation",
 ]

@@ -80,13 +80,13 @@ def legacy(cache):
 
 def as_cache_object(cache):
     """The cache as a ``DynamicCache`` (skip on releases without Cache objects)."""
-    from neofix import _compat
+    from neofix import _caches, _compat
 
     if not isinstance(cache, tuple):
         return cache
     from transformers import GPTNeoConfig
 
-    return _compat.cache_from_legacy(cache, GPTNeoConfig())
+    return _caches.from_legacy(cache, GPTNeoConfig())
 
 
 DTYPE = torch.float64

@@ -39,7 +39,7 @@ KEYS = [
     "generate_greedy",
     "generate_beam",
 ]
-TARGETS = [target.name for target in _lifecycle.TARGETS]
+TARGETS = [name for name, _, _ in _lifecycle.status()]
 
 
 def run_main(*args: str) -> tuple[int, str, str]:
@@ -229,7 +229,8 @@ def test_exit_status_1_when_neofix_gets_a_scenario_wrong(monkeypatch, two_scenar
     """A neofix whose model-forward wrapper does nothing: the stale-mask loop is not repaired."""
     from neofix import _wrappers
 
-    monkeypatch.setattr(_wrappers, "make_model_forward", lambda original: original)
+    monkeypatch.setattr(_wrappers, "make_model_forward", lambda original, adapter: original)
+    neofix.unpatch()  # the doctor patches with the broken wrapper
     try:
         status, out, err = run_main("doctor")
     finally:
@@ -340,7 +341,7 @@ def test_unpatched_on_arrival_stays_unpatched(two_scenarios):
     assert all(row["right"] for row in document["scenarios"])  # the neofix column was patched all the same
     assert document["patch_targets"][0]["state"] == "patched"
     assert not neofix.is_patched()
-    assert _lifecycle._unpatched_by_user  # the import hook stays off, as neofix.unpatch() left it
+    assert not _lifecycle._hooks_enabled  # the import hook stays off, as neofix.unpatch() left it
 
 
 # --- --model ------------------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import neofix
-from neofix import _compat
+from neofix import _caches, _compat
+from neofix._families import gpt_neo
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 
 from ._versions import cache_keyword, has, legacy, output_cache, requires
@@ -46,7 +47,7 @@ def ones(*shape: int) -> torch.Tensor:
 
 def as_object(cache: Any, model: Any) -> Any:
     """The cache as a ``DynamicCache`` built for ``model`` (whatever the release returned)."""
-    return _compat.cache_from_legacy(legacy(cache), model.config)
+    return _caches.from_legacy(legacy(cache), model.config)
 
 
 @torch.no_grad()
@@ -498,7 +499,7 @@ def test_uneven_cache_is_refused_before_any_layer_runs(model, fmt):
     assert_same_cache(before, cache)
 
 
-@pytest.mark.skipif(not _compat.LEGACY_CACHE_REJECTED, reason="only transformers 4.54 and later reject tuple caches")
+@pytest.mark.skipif(not gpt_neo.LEGACY_CACHE_REJECTED, reason="only transformers 4.54 and later reject tuple caches")
 def test_strict_legacy_cache_is_an_error(model):
     neofix.configure(mode="strict")
     cache = legacy(cached(model))

@@ -1,4 +1,5 @@
-"""The decode-step fast path: ``in_step`` lets a forward through untouched only where ``align`` would change nothing.
+"""The decode-step fast path: ``aligned_decode_step`` lets a forward through untouched only where ``align`` would
+change nothing.
 
 ``GPTNeoModel.forward``'s wrapper skips the general alignment for the hottest call there is, a single-token decode
 step that already keeps the contract.  These tests pin both directions: every step the fast path accepts is one
@@ -17,8 +18,9 @@ import torch
 import transformers
 
 import neofix
-from neofix import _compat, _wrappers
-from neofix._align import align
+from neofix import _wrappers
+from neofix._core import StepInputs, align
+from neofix._families import gpt_neo
 from neofix.testing import reference_positions, tiny_gpt_neo
 
 from ._versions import as_cache_object, cache_keyword, legacy, output_cache
@@ -108,24 +110,28 @@ SLOW = {
 }
 
 
+def in_step(model, kwargs):
+    """Whether the model forward's fast path takes this call."""
+    layers, limits = _wrappers._model_facts(model.transformer, gpt_neo)
+    view = _wrappers.aligned_decode_step(
+        kwargs["input_ids"], kwargs, layers, limits, gpt_neo.read_cache, gpt_neo.LEGACY_CACHE_REJECTED
+    )
+    return view is not None
+
+
 def aligned_unchanged(model, kwargs):
     """Whether align() returns every input as given, repairs nothing and raises nothing."""
-    past, cache_batch, lengths = _compat.read_cache(kwargs.get(cache_keyword()), model.config.num_layers)
+    view = gpt_neo.read_cache(kwargs.get(cache_keyword()), model.config.num_layers)
+    step = StepInputs(
+        kwargs["input_ids"],
+        kwargs.get("inputs_embeds"),
+        kwargs["attention_mask"],
+        kwargs["position_ids"],
+        kwargs.get("token_type_ids"),
+        kwargs.get("cache_position"),
+    )
     try:
-        aligned = align(
-            input_ids=kwargs["input_ids"],
-            inputs_embeds=kwargs.get("inputs_embeds"),
-            attention_mask=kwargs["attention_mask"],
-            position_ids=kwargs["position_ids"],
-            token_type_ids=kwargs.get("token_type_ids"),
-            cache_position=kwargs.get("cache_position"),
-            past_length=past,
-            cache_batch=cache_batch,
-            limits=_wrappers._ConfigLimits(model.config),
-            strict=False,
-            check_values=False,
-            layer_lengths=lengths,
-        )
+        aligned = align(step, view, gpt_neo.limits(model.config), strict=False, check_values=False)
     except neofix.NeofixError:
         return False
     return (
@@ -141,9 +147,9 @@ def aligned_unchanged(model, kwargs):
 @pytest.mark.parametrize("variant", sorted(FAST | SLOW | {"legacy tuple cache"}))
 def test_fast_path_only_where_align_changes_nothing(model, variant):
     kwargs = step_kwargs(model, variant)
-    fast = _wrappers.in_step(model.transformer, kwargs["input_ids"], kwargs)
+    fast = in_step(model, kwargs)
     if variant == "legacy tuple cache":  # transformers >= 4.54 rejects tuples: neofix must wrap them first
-        assert fast == (not _compat.LEGACY_CACHE_REJECTED)
+        assert fast == (not gpt_neo.LEGACY_CACHE_REJECTED)
     else:
         assert fast == (variant in FAST)
     if fast:
@@ -183,7 +189,7 @@ def test_fast_path_stops_at_the_position_table(past):
     ids = torch.randint(1, 96, (1, past))
     cache = prefill(model, ids, torch.ones_like(ids))
     kwargs = {"input_ids": torch.tensor([[5]]), "position_ids": torch.tensor([[past]]), cache_keyword(): cache}
-    assert _wrappers.in_step(model.transformer, kwargs["input_ids"], kwargs) == (past < 64)
+    assert in_step(model, kwargs) == (past < 64)
     if past == 64:
         with pytest.raises(neofix.SequenceTooLongError, match="sequence length 65"):
             model(**kwargs)
@@ -192,14 +198,14 @@ def test_fast_path_stops_at_the_position_table(past):
 def test_generate_takes_the_fast_path(model, monkeypatch):
     """Every decode step of greedy generate on a left-padded batch is already aligned on this release."""
     taken = []
-    real = _wrappers.in_step
+    real = _wrappers.aligned_decode_step
 
-    def spy(gpt_neo, input_ids, kwargs):
-        result = real(gpt_neo, input_ids, kwargs)
-        taken.append((input_ids.shape[1], result))
+    def spy(input_ids, *args):
+        result = real(input_ids, *args)
+        taken.append((input_ids.shape[1], result is not None))
         return result
 
-    monkeypatch.setattr(_wrappers, "in_step", spy)
+    monkeypatch.setattr(_wrappers, "aligned_decode_step", spy)
     ids, mask = left_padded_batch([6, 4])
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)

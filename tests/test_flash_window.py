@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import neofix
-from neofix import _compat
+from neofix import _caches
+from neofix._families import gpt_neo
 from neofix.testing import tiny_gpt_neo_config
 
 from ._versions import has, requires
@@ -28,8 +29,8 @@ def attention(kind="local", **overrides):
 
 def layer_cache(held, layers=2):
     pairs = tuple((torch.zeros(1, 4, held, 8), torch.zeros(1, 4, held, 8)) for _ in range(layers))
-    if has("Cache objects") and not _compat.ATTENTION_GETS_LAYER_PAIRS:
-        return _compat.cache_from_legacy(pairs, tiny_gpt_neo_config())
+    if has("Cache objects") and not gpt_neo.ATTENTION_GETS_LAYER_PAIRS:
+        return _caches.from_legacy(pairs, tiny_gpt_neo_config())
     return pairs[1]
 
 

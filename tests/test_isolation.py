@@ -15,6 +15,7 @@ import torch
 
 import neofix
 from neofix import _lifecycle
+from neofix._families import GPT_NEO
 from neofix.testing import reference_greedy, tiny_gpt_neo
 
 from ._versions import cache_keyword, output_cache
@@ -27,10 +28,10 @@ def targets():
     """``(owner, attribute)`` of every patch target the installed transformers has and needs."""
     from neofix import _compat
 
-    module = importlib.import_module(_lifecycle.GPT_NEO_MODULE)
+    module = importlib.import_module(GPT_NEO.module)
     found = []
-    for target in _lifecycle.TARGETS:
-        if not target.factory or (target.needed and not getattr(_compat, target.needed)):
+    for target in GPT_NEO.targets:
+        if not target.wrapper or not _compat.in_range(target.since, target.until):
             continue
         owner = getattr(module, target.owner, None) if target.owner else module
         if owner is not None and hasattr(owner, target.attribute):
@@ -57,7 +58,7 @@ def assert_consistent():
         for value in own_attributes():
             if is_proxy(value):
                 assert not is_proxy(value.__wrapped__), "a target is wrapped twice"
-        assert len(_lifecycle._applied) == (len(wrapped) if patched else 0)
+        assert sum(len(applied) for applied in _lifecycle._applied.values()) == (len(wrapped) if patched else 0)
 
 
 def test_patch_unpatch_from_many_threads():

@@ -14,6 +14,7 @@ from transformers.models.gpt_neo import modeling_gpt_neo
 
 import neofix
 from neofix import _lifecycle
+from neofix._families import GPT_NEO
 
 OWNERS = {
     "GPTNeoModel": "forward",
@@ -32,7 +33,7 @@ def class_attributes():
             continue
         for name in (names,) if isinstance(names, str) else names:
             found[f"{owner}.{name}"] = vars(cls).get(name)
-    found["module._prepare_4d_causal_attention_mask"] = vars(modeling_gpt_neo).get(
+    found["modeling_gpt_neo._prepare_4d_causal_attention_mask"] = vars(modeling_gpt_neo).get(
         "_prepare_4d_causal_attention_mask"
     )
     return found
@@ -106,7 +107,7 @@ def test_status_names_every_target():
     assert rows["GPTNeoModel.forward"][0] == "patched"
     assert rows["GPTNeoSelfAttention.forward"][0] == "skipped"
     assert "refuses an uneven cache before any layer runs" in rows["GPTNeoSelfAttention.forward"][1]
-    assert set(rows) == {target.name for target in _lifecycle.TARGETS}
+    assert set(rows) == {_lifecycle.target_name(GPT_NEO, target) for target in GPT_NEO.targets}
     for state, reason in rows.values():
         assert state in ("patched", "skipped") and reason
     neofix.unpatch()
@@ -148,7 +149,7 @@ def test_a_failing_patch_leaves_nothing_half_applied(monkeypatch):
     neofix.unpatch()
     before = class_attributes()
 
-    def broken(original):
+    def broken(original, adapter):
         raise RuntimeError("this factory fails")
 
     monkeypatch.setattr(_wrappers, "make_generate", broken)  # fails after GPTNeoModel.forward is patched
@@ -184,12 +185,12 @@ def test_explicit_patch_before_gpt_neo_is_imported_applies_once():
         import json, neofix
         from neofix import _lifecycle
         first = neofix.patch()  # imports GPT-Neo, which fires the hook inside this call
-        print(json.dumps([first, len(_lifecycle._applied), neofix.patch()]))
+        print(json.dumps([first, sum(map(len, _lifecycle._applied.values())), neofix.patch()]))
         """
     )
     from neofix import _lifecycle as here
 
-    assert out == [True, len(here._applied), False]
+    assert out == [True, sum(map(len, here._applied.values())), False]
 
 
 def test_model_built_before_import_is_covered():
@@ -289,3 +290,92 @@ def test_public_surface():
     assert issubclass(neofix.NeofixWarning, UserWarning)
     for name in neofix.__all__:
         assert getattr(neofix, name) is not None
+
+
+# -- neofix.patched() / neofix.unpatched() -----------------------------------------------------------------------------
+
+
+def _stale_mask_step(model):
+    """One decode step that keeps the prompt's mask: neofix repairs it (with a warning), vanilla does not."""
+    import torch
+
+    from ._versions import cache_keyword, output_cache
+
+    ids = torch.tensor([[5, 6, 7]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        return model(input_ids=torch.tensor([[8]]), attention_mask=mask, **{cache_keyword(): output_cache(out)})
+
+
+def test_unpatched_block_runs_vanilla_and_restores_everything(model):
+    patched_attributes = class_attributes()
+    with pytest.warns(neofix.NeofixWarning, match="extended it with ones"):
+        _stale_mask_step(model)  # the repair is reported once...
+    with neofix.unpatched():
+        assert not neofix.is_patched()
+        assert class_attributes() != patched_attributes
+        _lifecycle._on_import(modeling_gpt_neo)  # the import hook stays off inside the block
+        assert not neofix.is_patched()
+    assert neofix.is_patched()
+    assert class_attributes() == patched_attributes  # the very same wrappers are back
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", neofix.NeofixWarning)
+        _stale_mask_step(model)  # ...and stays reported: the block kept what was already said
+
+
+def test_patched_block_puts_back_the_unpatched_state_and_what_it_reported(model):
+    neofix.unpatch()
+    before = class_attributes()
+    with neofix.patched():
+        assert neofix.is_patched()
+        with pytest.warns(neofix.NeofixWarning, match="extended it with ones"):
+            _stale_mask_step(model)
+    assert not neofix.is_patched()
+    assert class_attributes() == before
+    assert not _lifecycle._hooks_enabled  # as unpatch() left it
+    neofix.patch()
+    with pytest.warns(neofix.NeofixWarning, match="extended it with ones"):  # forgotten on exit: reported again
+        _stale_mask_step(model)
+
+
+def test_blocks_restore_on_error_and_nest():
+    with pytest.raises(KeyError):
+        with neofix.unpatched():
+            with neofix.patched():
+                assert neofix.is_patched()
+            assert not neofix.is_patched()
+            raise KeyError("inside")
+    assert neofix.is_patched()
+
+
+def test_unpatch_refuses_when_another_library_wrapped_over_neofix():
+    """Removing neofix's wrapper would drop the other library's too: unpatch changes nothing and says which."""
+    import functools
+
+    cls = modeling_gpt_neo.GPTNeoModel
+    ours = vars(cls)["forward"]
+
+    @functools.wraps(ours)
+    def theirs(self, *args, **kwargs):
+        return ours(self, *args, **kwargs)
+
+    cls.forward = theirs
+    try:
+        patched_attributes = class_attributes()
+        with pytest.warns(neofix.NeofixWarning, match=r"cannot unpatch: GPTNeoModel\.forward was wrapped again"):
+            assert neofix.unpatch() is False
+        assert neofix.is_patched()
+        assert class_attributes() == patched_attributes  # nothing changed, the other targets included
+        assert neofix.patch() is False  # still patched: nothing is wrapped twice
+        assert vars(cls)["forward"] is theirs
+        with pytest.raises(RuntimeError, match="cannot be removed"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", neofix.NeofixWarning)
+                with neofix.unpatched():
+                    pass  # pragma: no cover
+        assert neofix.is_patched()
+    finally:
+        cls.forward = ours
+    assert neofix.unpatch() is True  # with the outer wrapper gone, unpatch is exact again
+    assert "forward" not in vars(cls) or not hasattr(vars(cls)["forward"], "__neofix_wrapper__")

@@ -66,7 +66,7 @@ def test_warning_points_at_the_callers_line(model):
 
 def test_legacy_tuple_cache_in_strict_mode(model):
     """Where transformers rejects tuple caches (4.54+) neofix wraps them; strict mode says so instead."""
-    from neofix import _compat
+    from neofix._families import gpt_neo
 
     ids, mask = left_padded_batch([6, 4])
     with torch.no_grad():
@@ -76,7 +76,7 @@ def test_legacy_tuple_cache_in_strict_mode(model):
     cache = legacy(output_cache(out))
     step = dict(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], -1), use_cache=True)
     neofix.configure(mode="strict")
-    if not _compat.LEGACY_CACHE_REJECTED:
+    if not gpt_neo.LEGACY_CACHE_REJECTED:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # 4.45 - 4.53 warn about tuples themselves
             model(**step, **{cache_keyword(): cache})

@@ -177,11 +177,11 @@ INJECTED = {
 @pytest.mark.parametrize("kind", list(INJECTED))
 def test_counter_catches_a_conversion_added_to_neofix(model, monkeypatch, kind):
     source = (
-        "def align(**kwargs):\n"
-        "    input_ids = kwargs['input_ids']\n"
+        "def align(step, *args, **kwargs):\n"
+        "    input_ids = step.input_ids\n"
         "    if input_ids is not None:\n"
         f"        {INJECTED[kind]}\n"
-        "    return original(**kwargs)\n"
+        "    return original(step, *args, **kwargs)\n"
     )
     namespace = {"original": _wrappers.align, "operator": operator}
     exec(compile(source, _wrappers.__file__, "exec"), namespace)
@@ -250,7 +250,9 @@ def test_import_neofix_imports_only_its_own_modules_and_threading():
     allowed = _new_modules(STDLIB_AT_IMPORT)
     imported = _new_modules("import neofix")
     own = {name for name in imported if name == "neofix" or name.startswith("neofix.")}
-    assert own == {"neofix", "neofix._config", "neofix._errors", "neofix._lifecycle", "neofix._version"}
+    assert own == {
+        "neofix", "neofix._config", "neofix._errors", "neofix._families", "neofix._lifecycle", "neofix._version"
+    }
     assert sorted(imported - own - allowed) == []
 
 

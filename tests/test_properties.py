@@ -38,8 +38,9 @@ import pytest
 import torch
 
 import neofix
-from neofix import _compat, _errors
-from neofix._align import Limits, align, step_unchanged
+from neofix import _caches, _errors
+from neofix._core import CacheView, Limits, StepInputs, align, step_unchanged
+from neofix._families import gpt_neo
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 
 from ._versions import cache_keyword, has, legacy, output_cache
@@ -180,7 +181,7 @@ def feeds(case: LoopCase) -> list[int]:
 def contract(case: LoopCase, max_positions: int) -> Expected:
     """What the step contract (DESIGN.md) requires for this loop, derived from shapes alone."""
     strict, prefills = case.mode == "strict", len(case.chunks) + 1
-    legacy_rejected = case.cache == "legacy" and _compat.LEGACY_CACHE_REJECTED
+    legacy_rejected = case.cache == "legacy" and gpt_neo.LEGACY_CACHE_REJECTED
     warned: set[str] = set()
     unchecked = None
     past = 0
@@ -281,7 +282,7 @@ def run_loop(model: Any, case: LoopCase, ids: torch.Tensor, mask: torch.Tensor, 
             if case.cache == "legacy":
                 cache = legacy(cache)
             elif case.cache == "object" and isinstance(cache, tuple):
-                cache = _compat.cache_from_legacy(cache, model.config)
+                cache = _caches.from_legacy(cache, model.config)
             kwargs[keyword] = cache
         before = snapshot(cache) if k == watch and cache is not None else None
         try:
@@ -562,33 +563,23 @@ def test_align_core(case):
     if case.position_rows is not None:
         positions = torch.arange(case.position_columns).repeat(case.position_rows, 1)
     faults = core_faults(case)
+    view = CacheView(case.past, case.cache_batch, case.layers or None, None, None, None, "legacy")
     # the model forward's fast path: where it says "unchanged", align must return the step exactly as given
     unchanged = step_unchanged(
-        batch=case.batch,
-        new=case.new,
-        mask_shape=None if mask is None else mask.shape,
-        positions_shape=None if positions is None else positions.shape,
-        token_types_given=False,
-        cache_position_length=None,
-        past_length=case.past,
-        cache_batch=case.cache_batch,
-        layer_lengths=case.layers or None,
-        max_positions=CORE_LIMITS.max_positions,
+        case.batch,
+        case.new,
+        None if mask is None else mask.shape,
+        None if positions is None else positions.shape,
+        False,
+        None,
+        view,
+        CORE_LIMITS.max_positions,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", neofix.NeofixWarning)
         try:
             aligned = align(
-                input_ids=ids,
-                inputs_embeds=None,
-                attention_mask=mask,
-                position_ids=positions,
-                past_length=case.past,
-                cache_batch=case.cache_batch,
-                limits=CORE_LIMITS,
-                strict=case.strict,
-                check_values=False,
-                layer_lengths=case.layers or None,
+                StepInputs(ids, None, mask, positions), view, CORE_LIMITS, strict=case.strict, check_values=False
             )
         except neofix.NeofixError as exc:
             event(f"outcome: {type(exc).__name__}")

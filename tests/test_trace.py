@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import neofix
-from neofix import _lifecycle, _trace
-from neofix._wrappers import STEP_LISTENERS
+from neofix import _config, _trace
+from neofix._reports import listeners as STEP_LISTENERS
 from neofix.testing import tiny_gpt_neo
 
 from .loops import decode, left_padded_batch
@@ -279,17 +279,15 @@ def test_environment_variable():
 
 @pytest.mark.parametrize("value, logs", [("1", True), ("on", True), ("0", False), ("off", False), ("", False)])
 def test_environment_values(monkeypatch, value, logs):
-    monkeypatch.setattr(_lifecycle, "_log_steps", False)
-    monkeypatch.setenv("NEOFIX_TRACE", value)
+    monkeypatch.setattr(_config.settings, "log_steps", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _lifecycle._read_trace_environment()
-    assert _lifecycle._log_steps is logs
+        _config.load_environment({"NEOFIX_TRACE": value})
+    assert _config.settings.log_steps is logs
 
 
 def test_environment_value_it_does_not_understand(monkeypatch):
-    monkeypatch.setenv("NEOFIX_TRACE", "banana")
-    monkeypatch.setattr(_lifecycle, "_log_steps", False)
+    monkeypatch.setattr(_config.settings, "log_steps", False)
     with pytest.warns(neofix.NeofixWarning, match="NEOFIX_TRACE='banana' is not a boolean"):
-        _lifecycle._read_trace_environment()
-    assert _lifecycle._log_steps is False
+        _config.load_environment({"NEOFIX_TRACE": "banana"})
+    assert _config.settings.log_steps is False

@@ -19,13 +19,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
-from .. import _config, _errors, _lifecycle
+from .. import _config, _lifecycle
 from .._errors import NeofixError
+from .._families import GPT_NEO
 from .._version import __version__
 
 __all__ = ["DoctorUsageError", "Report", "Row", "run"]
 
-GPT_NEO_MODULE = _lifecycle.GPT_NEO_MODULE
+GPT_NEO_MODULE = GPT_NEO.module
 _SMALL_MODEL = 20_000_000  # parameters; below this the self-check runs on one CPU thread
 
 
@@ -105,8 +106,8 @@ def run(
 
         from ._scenarios import SCENARIOS, Context
 
-        # the patch targets as neofix installs them for its column (also when it was not installed on arrival)
-        _lifecycle.patch()
+        # the patch targets as neofix installs them for its column (``neofix.patched()`` above installed it, also
+        # when it was not installed on arrival)
         targets = _lifecycle.status()
         patched = _lifecycle.is_patched()
         _config.configure(mode="strict" if strict else "repair", check_values=False)
@@ -117,20 +118,16 @@ def run(
         rows = []
         for number, scenario in enumerate(SCENARIOS, 1):
             progress(f"[{number:2d}/{len(SCENARIOS)}] {scenario.title}")
-            _lifecycle.unpatch()
-            reference = None
-            if scenario.reference is not None:  # computed on vanilla transformers, with the patch off
-                computed = _attempt(scenario.reference, context)
-                if computed.error is not None:
-                    rows.append(_unjudged(scenario, computed.error))
-                    continue
-                reference = computed.tokens
-            vanilla = _attempt(scenario.run, context)
-            if patched:
-                _lifecycle.patch()
-                with_neofix = _attempt(scenario.run, context)
-            else:
-                with_neofix = None
+            with _lifecycle.unpatched():
+                reference = None
+                if scenario.reference is not None:  # computed on vanilla transformers, with the patch off
+                    computed = _attempt(scenario.reference, context)
+                    if computed.error is not None:
+                        rows.append(_unjudged(scenario, computed.error))
+                        continue
+                    reference = computed.tokens
+                vanilla = _attempt(scenario.run, context)
+            with_neofix = _attempt(scenario.run, context) if patched else None
             rows.append(_judge(scenario, reference, vanilla, with_neofix, strict))
 
     versions = {
@@ -157,21 +154,18 @@ def run(
 
 @contextlib.contextmanager
 def _preserved_state(transformers: Any) -> Iterator[None]:
-    """Silence vanilla's and neofix's warnings while the self-check runs; afterwards put everything back."""
+    """Silence vanilla's and neofix's warnings while the self-check runs; afterwards put everything back: the patch
+    state and the repairs already reported (``neofix.patched()``), settings, log levels, grad mode, threads."""
     import torch
 
     settings = _config.configure()  # no arguments: reads without changing
-    with _errors._warned_lock:
-        reported = set(_errors._warned)
     verbosity = transformers.logging.get_verbosity()
     grad = torch.is_grad_enabled()
     threads = torch.get_num_threads()
-    was_patched = _lifecycle.is_patched()
-    hook_off = _lifecycle._unpatched_by_user
     step_log = logging.getLogger("neofix")  # NEOFIX_TRACE=1 logs every step there: not during the self-check
     step_log_disabled = step_log.disabled
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _lifecycle.patched():
             warnings.simplefilter("ignore")
             transformers.logging.set_verbosity_error()
             step_log.disabled = True
@@ -183,17 +177,7 @@ def _preserved_state(transformers: Any) -> Iterator[None]:
             torch.set_num_threads(threads)
         transformers.logging.set_verbosity(verbosity)
         step_log.disabled = step_log_disabled
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if was_patched:
-                _lifecycle.patch()
-            else:
-                _lifecycle.unpatch()
-        _lifecycle._unpatched_by_user = hook_off
         _config.configure(**settings)
-        with _errors._warned_lock:
-            _errors._warned.clear()
-            _errors._warned.update(reported)
 
 
 # --- the model ---------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .._compat import cache_keyword
+from .._caches import keyword as cache_keyword
 from .._errors import (
     BatchMismatchError,
     MaskLengthError,

@@ -1,0 +1,198 @@
+"""Reading transformers' KV caches into a :class:`~neofix._core.CacheView`, on every supported release.
+
+The one place that knows the cache formats: legacy tuples of per-layer ``(key, value)`` pairs (every release;
+GPT-Neo's forward rejects them from 4.54), ``Cache`` objects holding parallel ``key_cache`` lists (4.36 - 4.55) or
+one object per layer in ``layers`` (4.56 and later), and static caches, whose length is a tensor (reading it would
+synchronise with the device) and whose keys are preallocated to a fixed capacity.  Only shapes are read.
+
+Keys are laid out ``(batch, heads, tokens, head_dim)`` unless a family's adapter says otherwise (``key_layout``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ._core import NO_CACHE, CacheView
+
+#: Key layout: the dimension of each of (batch, heads, tokens, head_dim) in a layer's key tensor.
+BHSD = (0, 1, 2, 3)
+
+_Tensor = torch.Tensor
+
+
+def read(cache: Any, layers: int, key_layout: tuple[int, int, int, int] = BHSD) -> CacheView:
+    """What ``cache`` holds for a model of ``layers`` layers; shapes only."""
+    if cache is None:
+        return NO_CACHE
+    if type(cache) is tuple or type(cache) is list:
+        return _read_legacy(cache, layers, key_layout)
+    cache_layers = getattr(cache, "layers", None)
+    if type(cache_layers) is list:  # transformers >= 4.56: one object per layer (the hot path of every decode step)
+        return _read_layers(cache_layers, layers, key_layout)
+    return _read_key_cache(cache, layers, key_layout)
+
+
+def _read_legacy(cache: Any, layers: int, layout: tuple[int, int, int, int]) -> CacheView:
+    if not cache or cache[0] is None or not cache[0] or cache[0][0] is None:
+        return CacheView(0, None, (0,) * layers if cache else None, None, None, None, "legacy")
+    b, h, s, d = layout
+    lengths = []
+    for layer in cache[:layers]:
+        key = layer[0] if layer else None
+        lengths.append(key.shape[s] if key is not None else 0)
+    if len(lengths) < layers:
+        lengths += [0] * (layers - len(lengths))
+    key = cache[0][0]
+    shape = key.shape
+    if len(shape) != 4:
+        return CacheView(lengths[0], None, tuple(lengths), None, None, None, "legacy")
+    return CacheView(lengths[0], shape[b], tuple(lengths), None, shape[h], shape[d], "legacy")
+
+
+def _read_layers(cache_layers: list, layers: int, layout: tuple[int, int, int, int]) -> CacheView:
+    if not cache_layers:
+        return CacheView(0, None, None, None, None, None, "object")
+    first = cache_layers[0]
+    capacity = getattr(first, "max_cache_len", None)
+    if capacity is not None:  # a static layer: its length is a tensor, its keys preallocated to the capacity
+        key = getattr(first, "keys", None)
+        batch = heads = head_dim = None
+        if isinstance(key, _Tensor) and key.dim() == 4:
+            batch, heads, head_dim = key.shape[layout[0]], key.shape[layout[1]], key.shape[layout[3]]
+        length = _static_length(first)
+        return CacheView(length, batch, None, capacity, heads, head_dim, "static")
+    lengths = [_layer_length(layer) for layer in cache_layers[:layers]]
+    if len(lengths) < layers:
+        lengths += [0] * (layers - len(lengths))
+    past = lengths[0]
+    key = getattr(first, "keys", None)
+    if past is None:
+        return CacheView(None, None, None, None, None, None, "unknown")
+    if isinstance(key, _Tensor) and key.dim() == 4:
+        shape = key.shape
+        return CacheView(past, shape[layout[0]], tuple(lengths), None, shape[layout[1]], shape[layout[3]], "object")
+    return CacheView(past, None, tuple(lengths), None, None, None, "object")
+
+
+def _read_key_cache(cache: Any, layers: int, layout: tuple[int, int, int, int]) -> CacheView:
+    """transformers 4.36 - 4.55: a Cache object with parallel key/value lists, or one that only answers
+    ``get_seq_length``."""
+    get_seq_length = getattr(cache, "get_seq_length", None)
+    if get_seq_length is None:
+        return CacheView(None, None, None, None, None, None, "unknown")
+    capacity = getattr(cache, "max_cache_len", None)
+    lengths: list[int | None] = []
+    for i in range(layers):
+        try:
+            length = get_seq_length(i)
+        except (AttributeError, IndexError, TypeError, ValueError):
+            length = None
+        lengths.append(length if type(length) is int else None)
+    past = lengths[0] if lengths else None
+    key_cache = getattr(cache, "key_cache", None)
+    key = key_cache[0] if key_cache else None
+    batch = heads = head_dim = None
+    if isinstance(key, _Tensor) and key.dim() == 4:
+        batch, heads, head_dim = key.shape[layout[0]], key.shape[layout[1]], key.shape[layout[3]]
+    if capacity is not None:
+        return CacheView(past if past == 0 else None, batch, None, capacity, heads, head_dim, "static")
+    if past is None:
+        return CacheView(None, batch, None, None, heads, head_dim, "unknown")
+    return CacheView(past, batch, tuple(lengths), None, heads, head_dim, "object")
+
+
+def _layer_length(layer: Any) -> int | None:
+    try:
+        length = layer.get_seq_length()
+    except (AttributeError, IndexError, TypeError, ValueError):  # a layer that does not track a length
+        return None
+    return length if type(length) is int else None
+
+
+def _static_length(layer: Any) -> int | None:
+    """0 for a static layer nothing was written to yet, else ``None`` (its length is a tensor: reading it would
+    synchronise)."""
+    if not getattr(layer, "is_initialized", True) or getattr(layer, "keys", None) is None:
+        return 0
+    return None
+
+
+def length(cache: Any) -> int | None:
+    """Tokens a cache holds (0 for none or an empty one; ``None`` where that cannot be told from shapes)."""
+    if cache is None:
+        return 0
+    if isinstance(cache, (tuple, list)):
+        if not cache or cache[0] is None or not cache[0] or cache[0][0] is None:
+            return 0
+        return cache[0][0].shape[-2]  # type: ignore[no-any-return]
+    get_seq_length = getattr(cache, "get_seq_length", None)
+    if get_seq_length is None:
+        return None
+    held = get_seq_length()
+    return held if type(held) is int else None
+
+
+def layer_length(layer_past: Any, layer_idx: int | None) -> int | None:
+    """Tokens held by one layer's cache as an attention layer sees it (a ``(key, value)`` pair, or the Cache object
+    with the layer's index)."""
+    if layer_past is None:
+        return 0
+    if isinstance(layer_past, (tuple, list)):
+        return layer_past[0].shape[-2] if len(layer_past) and layer_past[0] is not None else 0
+    if layer_idx is None:
+        return None
+    held = layer_past.get_seq_length(layer_idx)
+    return held if type(held) is int else None
+
+
+def from_legacy(legacy: Any, config: Any) -> Any:
+    """A ``DynamicCache`` holding a legacy ``((key, value), ...)`` cache, built without deprecation warnings."""
+    from transformers.cache_utils import DynamicCache
+
+    if "ddp_cache_data" in inspect.signature(DynamicCache.__init__).parameters:  # 4.57 and later
+        return DynamicCache(ddp_cache_data=legacy, config=config)
+    return DynamicCache.from_legacy_cache(legacy)  # type: ignore[attr-defined]
+
+
+def is_legacy(cache: Any) -> bool:
+    """A legacy cache: a non-empty tuple of per-layer ``(key, value)`` pairs of 4D tensors."""
+    return (
+        isinstance(cache, (tuple, list))
+        and len(cache) > 0
+        and all(
+            isinstance(layer, (tuple, list))
+            and len(layer) >= 2
+            and all(isinstance(t, _Tensor) and t.dim() == 4 for t in layer[:2])
+            for layer in cache
+        )
+    )
+
+
+def keyword(forward: Any) -> str:
+    """The keyword a forward takes its cache under: ``cache`` (transformers 5.x) or ``past_key_values``."""
+    try:
+        parameters = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - C callables
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def of_call(kwargs: dict) -> tuple[str, Any]:
+    """``(keyword, cache)`` of a forward call: 5.x's ``cache``, or ``past_key_values`` (the old name, or before 5.0)."""
+    if "cache" in kwargs:
+        return "cache", kwargs["cache"]
+    return "past_key_values", kwargs.get("past_key_values")
+
+
+def of_output(output: Any) -> Any:
+    """The cache a model output carries (``cache`` on 5.x, ``past_key_values`` before), or None."""
+    keys = getattr(output, "keys", None)
+    if keys is None:
+        return None
+    for name in ("cache", "past_key_values"):
+        if name in keys():
+            return output[name]
+    return None

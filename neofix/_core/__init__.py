@@ -1,0 +1,25 @@
+"""The family-neutral, version-free decoding-step contract.
+
+One step is read into a :class:`StepInputs` and a :class:`CacheView` (by the model family's adapter); :func:`align`
+checks and aligns it in named steps and returns an :class:`Aligned` (tensors to call the model with, and the
+repairs made, as data) or raises a :class:`~neofix.NeofixError`.  Nothing here knows a transformers release or a
+model family.
+"""
+
+from ._align import align, raise_cache_length_error, step_unchanged
+from ._types import NO_CACHE, Aligned, CacheView, Limits, Repair, StepInputs
+from ._values import derive_positions, explain_index_error
+
+__all__ = [
+    "NO_CACHE",
+    "Aligned",
+    "CacheView",
+    "Limits",
+    "Repair",
+    "StepInputs",
+    "align",
+    "derive_positions",
+    "explain_index_error",
+    "raise_cache_length_error",
+    "step_unchanged",
+]

@@ -1,0 +1,87 @@
+"""The values the core passes around: what a step was given, what its cache holds, what the model allows, and what
+alignment made of it.  Plain ``NamedTuple`` s of tensors and ints: nothing here reads a tensor's values."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+# Repair kinds: the names traces list in ``repairs`` and warnings are remembered by (each is warned once).
+MASK_EXTENDED = "mask_extended"
+POSITIONS_DERIVED = "positions_derived"  # none were given: derived from the mask (normal, not warned)
+POSITIONS_SLICED = "positions_sliced"  # positions of cached plus new tokens: the last q taken (not warned)
+POSITIONS_REDERIVED = "positions_rederived"  # positions of another length (stale): derived from the mask instead
+POSITION_VALUES = "position_values_repaired"  # right shape, wrong values: the mask's positions used
+TOKEN_TYPES_SLICED = "token_type_ids_sliced"
+CACHE_POSITION_DROPPED = "cache_position_dropped"
+
+
+class CacheView(NamedTuple):
+    """What a step's KV cache holds, read once per step from shapes alone (never a tensor's values).
+
+    ``length``: tokens held (0 without a cache; ``None`` when it cannot be told without reading the device, as for a
+    static cache).  ``batch``: rows (``None`` for an empty cache).  ``layer_lengths``: tokens held per layer the
+    model will read (``None`` entries where one cannot be told).  ``capacity``: slots of a fixed-size cache (static),
+    ``None`` for one that grows.  ``heads`` and ``head_dim``: the layout of its keys, to tell a cache built by another
+    model.  ``layout``: ``"none"``, ``"legacy"`` (tuples), ``"object"`` (a transformers ``Cache``), ``"static"`` or
+    ``"unknown"``.
+    """
+
+    length: int | None
+    batch: int | None
+    layer_lengths: tuple[int | None, ...] | None
+    capacity: int | None
+    heads: int | None
+    head_dim: int | None
+    layout: str
+
+
+NO_CACHE = CacheView(0, None, None, None, None, None, "none")
+
+
+class Limits(NamedTuple):
+    """What the model allows, read from its config.
+
+    ``max_positions``: size of the position table (``None``: positions are not looked up in a table, or reading past
+    it is not an error).  ``heads`` / ``head_dim``: the cache layout the model writes (``None``: not checked).
+    """
+
+    max_positions: int | None
+    vocab_size: int
+    hidden_size: int
+    heads: int | None = None
+    head_dim: int | None = None
+
+
+class StepInputs(NamedTuple):
+    """The tensors one model forward was given (``None`` where not given)."""
+
+    input_ids: Any
+    inputs_embeds: Any
+    attention_mask: Any
+    position_ids: Any
+    token_type_ids: Any = None
+    cache_position: Any = None
+
+
+class Repair(NamedTuple):
+    """Something alignment changed.  ``message`` is the warning to show once per kind ("" for silent adjustments)."""
+
+    kind: str
+    message: str
+
+
+class Aligned(NamedTuple):
+    """A step after alignment: the tensors to call the model with, and what was changed (for the caller to report)."""
+
+    attention_mask: Any
+    position_ids: Any
+    token_type_ids: Any
+    cache_position: Any
+    batch: int
+    new_tokens: int
+    repairs: tuple[Repair, ...]
+    values_checked: bool
+
+    @property
+    def repair_kinds(self) -> tuple[str, ...]:
+        return tuple(repair.kind for repair in self.repairs)

@@ -1,0 +1,49 @@
+"""GPT-Neo's adapter: how its forward, config and cache read on each transformers release.
+
+Imported when transformers loads GPT-Neo's modeling module (so torch and transformers are loaded already).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _caches, _compat
+from .._core import CacheView, Limits
+from . import GPT_NEO
+
+FAMILY = GPT_NEO
+
+#: From 4.54 GPT-Neo's forward rejects legacy tuple caches ("should be either a `Cache` object or `None`").
+LEGACY_CACHE_REJECTED = _compat.release() >= (4, 54)
+
+#: Up to 4.44 GPT-Neo's forward reads 1D ``input_ids`` as one row (later releases fail on them).
+FLAT_INPUT_IDS_ACCEPTED = _compat.release() < (4, 45)
+
+#: From 4.45 GPT-Neo's forward takes ``Cache`` objects (4.45 - 4.53 still take tuples, logging a deprecation).
+CACHE_OBJECTS_ACCEPTED = _compat.release() >= (4, 45)
+
+#: Up to 4.44 each attention layer gets its own ``(key, value)`` pair; from 4.45 every layer gets the Cache object.
+ATTENTION_GETS_LAYER_PAIRS = _compat.release() < (4, 45)
+
+#: GPT-Neo embeds ``token_type_ids`` with its token embedding: they are token ids, range-checked against the vocab.
+TOKEN_TYPES_ARE_IDS = True
+
+
+def limits(config: Any) -> Limits:
+    heads = config.num_heads
+    return Limits(
+        max_positions=config.max_position_embeddings,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        heads=heads,
+        head_dim=config.hidden_size // heads,
+    )
+
+
+def layers(model: Any) -> int:
+    """The number of attention layers of a ``GPTNeoModel`` (each reads one layer of the cache)."""
+    return len(model.h)
+
+
+def read_cache(cache: Any, layer_count: int) -> CacheView:
+    return _caches.read(cache, layer_count)

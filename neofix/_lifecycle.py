@@ -15,7 +15,7 @@ import sys
 import threading
 import warnings
 
-from ._errors import NeofixWarning
+from ._errors import NeofixWarning, caller_stacklevel
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time (it is most of the import cost)
 if TYPE_CHECKING:
@@ -226,7 +226,9 @@ def _describe(applied: _Applied) -> str:
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, NeofixWarning, stacklevel=3)
+    # the first caller outside neofix: the user's `import neofix` line (NEOFIX_TRACE), `patch()` call, or import
+    # of transformers (the post-import hook)
+    warnings.warn(message, NeofixWarning, stacklevel=caller_stacklevel())
 
 
 def _on_import(module: Any) -> None:

@@ -108,7 +108,8 @@ def main(dist_dir: str, work_dir: str, constraints: str) -> None:
     run(["uv", "venv", "--quiet", "--python", sys.executable, str(venv)], check=True, env=env)
     python = venv / "bin" / "python"
     run(
-        ["uv", "pip", "install", "--quiet", "--python", str(python), "--constraint", constraints, "-r", "requirements.txt"],
+        ["uv", "pip", "install", "--quiet", "--python", str(python), "--constraint", constraints]
+        + ["-r", "requirements.txt"],
         check=True,
         env=env,
         cwd=project,

@@ -1,11 +1,15 @@
 """Check the built sdist and wheel, then install the wheel in a clean venv and import it (tox.ini: pkg).
 
 Usage: python .ci/check_dist.py DIST_DIR CLEAN_VENV_DIR CONSTRAINTS_FILE
-Run after `python -m build` (which builds the wheel from the sdist) and `twine check --strict`.
+Run after .ci/build_dist.py (which builds the wheel from the sdist) and `twine check --strict`.
+
+The names: the distribution is `transformers-neofix` (`neofix` on the package index is an unrelated project); the
+import name, the console script and the pytest11 entry point are `neofix`.  The license is an SPDX expression.
 """
 
 from __future__ import annotations
 
+import configparser
 import shutil
 import subprocess
 import sys
@@ -14,10 +18,14 @@ import zipfile
 from email.parser import HeaderParser
 from pathlib import Path
 
+DISTRIBUTION = "transformers-neofix"
+LICENSE = "Apache-2.0"
+ENTRY_POINTS = {"console_scripts": {"neofix": "neofix._cli:main"}, "pytest11": {"neofix": "pytest_neofix"}}
+
 IMPORT_CHECK = r"""
 import importlib.metadata, importlib.resources, importlib.util, sys
 import neofix
-version = importlib.metadata.version("neofix")
+version = importlib.metadata.version("transformers-neofix")
 assert neofix.__version__ == version, f"neofix.__version__ {neofix.__version__!r} != metadata version {version!r}"
 assert neofix.__file__.startswith(sys.prefix), f"imported {neofix.__file__}, not the clean env's copy"
 assert importlib.resources.files("neofix").joinpath("py.typed").is_file(), "py.typed is not installed"
@@ -29,6 +37,12 @@ assert [e.value for e in plugins] == ["pytest_neofix"], f"pytest11 entry points 
 spec = importlib.util.find_spec("pytest_neofix")  # found, not imported: a clean env has no pytest
 assert spec is not None and spec.origin.startswith(sys.prefix), f"pytest_neofix is not installed: {spec}"
 print(f"pytest plugin pytest_neofix: installed at {spec.origin}")
+try:
+    other = importlib.metadata.distribution("neofix")
+except importlib.metadata.PackageNotFoundError:
+    pass
+else:
+    raise AssertionError(f"a distribution named neofix {other.version} is installed: the unrelated project's name")
 """
 
 
@@ -51,20 +65,41 @@ def main(dist_dir: str, venv_dir: str, constraints: str) -> None:
         names = archive.namelist()
         info = next(n for n in names if n.endswith(".dist-info/METADATA"))
         metadata = HeaderParser().parsestr(archive.read(info).decode())
+        entry_points = configparser.ConfigParser(delimiters=("=",))
+        entry_points.optionxform = str  # keep names as written
+        entry_points.read_string(archive.read(info.replace("METADATA", "entry_points.txt")).decode())
     version = metadata["Version"]
+    if metadata["Name"] != DISTRIBUTION:
+        fail(f"{wheel.name}: the distribution is named {metadata['Name']!r}, not {DISTRIBUTION!r}")
+    if metadata["License-Expression"] != LICENSE or metadata["License"] is not None:
+        fail(
+            f"{wheel.name}: License-Expression {metadata['License-Expression']!r}, License {metadata['License']!r}: "
+            f"expected the SPDX expression {LICENSE!r} and no License field"
+        )
+    classifiers = [c for c in metadata.get_all("Classifier", []) if c.startswith("License ::")]
+    if classifiers:
+        fail(f"{wheel.name}: license classifiers are deprecated in favour of License-Expression: {classifiers}")
+    found = {group: dict(entry_points[group]) for group in entry_points.sections()}
+    if found != ENTRY_POINTS:
+        fail(f"{wheel.name}: entry points {found}, expected {ENTRY_POINTS}")
     for required in ("neofix/__init__.py", "neofix/py.typed", "pytest_neofix.py"):
         if required not in names:
             fail(f"{wheel.name} lacks {required}")
     stray = sorted({n.split("/")[0] for n in names} - {"neofix", "pytest_neofix.py", info.split("/")[0]})
     if stray:
         fail(f"{wheel.name} ships more than the neofix package and its pytest plugin: {stray}")
-    if not wheel.name.startswith(f"neofix-{version}-"):
-        fail(f"{wheel.name} does not match its metadata version {version}")
+    stem = f"{DISTRIBUTION.replace('-', '_')}-{version}"  # file names normalise '-' to '_'
+    if not wheel.name.startswith(f"{stem}-"):
+        fail(f"{wheel.name} does not match its metadata name and version {stem}")
     with tarfile.open(sdist) as archive:
         for required in ("neofix/py.typed", "pytest_neofix.py"):
-            if f"neofix-{version}/{required}" not in archive.getnames():
-                fail(f"{sdist.name} lacks {required} (or its version is not {version})")
-    print(f"{wheel.name} and {sdist.name}: contents ok, version {version}", flush=True)
+            if f"{stem}/{required}" not in archive.getnames():
+                fail(f"{sdist.name} lacks {required} (or its name and version are not {stem})")
+    print(
+        f"{wheel.name} and {sdist.name}: contents ok; distribution {DISTRIBUTION} {version}, import name neofix, "
+        f"console script neofix, pytest plugin neofix, License-Expression {LICENSE}",
+        flush=True,
+    )
 
     venv = Path(venv_dir)
     shutil.rmtree(venv, ignore_errors=True)
@@ -75,6 +110,10 @@ def main(dist_dir: str, venv_dir: str, constraints: str) -> None:
         check=True,
     )
     subprocess.run([str(python), "-c", IMPORT_CHECK], check=True, cwd=venv)
+    command = subprocess.run([str(venv / "bin" / "neofix"), "--version"], capture_output=True, text=True, cwd=venv)
+    if command.returncode or command.stdout.strip() != f"neofix {version}":
+        fail(f"the console script: `neofix --version` printed {command.stdout!r} {command.stderr!r}")
+    print(f"console script: {command.stdout.strip()}")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def main(constraints: str) -> int:
         if not transformers_version.startswith(expected):
             errors.append(f"env {env} should test transformers {expected}x, but {transformers_version} is installed")
 
-    neofix = metadata.distribution("neofix")
+    neofix = metadata.distribution("transformers-neofix")  # imported as neofix
     print(
         f"{env}: python {sys.version.split()[0]}, torch {torch_version}, transformers {transformers_version}, "
         f"neofix {neofix.version} from {neofix.locate_file('')}"

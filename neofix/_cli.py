@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=DOCTOR_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    doctor.set_defaults(command_parser=doctor)  # main() reports an option unknown to doctor with doctor's usage
     doctor.add_argument(
         "--model",
         metavar="PATH",
@@ -85,7 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # parse_args would report an argument unknown to a command with the top-level usage: the command's says more
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # the top level takes no option values, so what follows the command's name is the command's
+        of_command = args.command is not None and unknown[0] not in argv[: argv.index(args.command)]
+        failed = args.command_parser if of_command else parser
+        failed.error(f"unrecognized arguments: {' '.join(unknown)}")  # prints its usage, exits with status 2
     if args.command is None:
         parser.print_help(sys.stderr)
         print("\nneofix: error: name a command, e.g. 'neofix doctor'", file=sys.stderr)

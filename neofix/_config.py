@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from ._errors import NeofixWarning
+from ._errors import NeofixWarning, caller_stacklevel
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
 if TYPE_CHECKING:
@@ -73,7 +73,9 @@ def load_environment(environ: Any = os.environ) -> None:
             configure(mode=value)
         else:
             warnings.warn(
-                f"NEOFIX_MODE={mode!r} is not one of {MODES}; using 'repair'", NeofixWarning, stacklevel=3
+                f"NEOFIX_MODE={mode!r} is not one of {MODES}; using 'repair'",
+                NeofixWarning,
+                stacklevel=caller_stacklevel(),  # the user's `import neofix` line
             )
     check = environ.get("NEOFIX_CHECK_VALUES")
     if check is not None:
@@ -84,7 +86,7 @@ def load_environment(environ: Any = os.environ) -> None:
             warnings.warn(
                 f"NEOFIX_CHECK_VALUES={check!r} is not a boolean (1/0, true/false); using 0",
                 NeofixWarning,
-                stacklevel=3,
+                stacklevel=caller_stacklevel(),
             )
     trace = environ.get("NEOFIX_TRACE")
     if trace is not None:
@@ -93,5 +95,7 @@ def load_environment(environ: Any = os.environ) -> None:
             settings.log_steps = True
         elif value not in _FALSE:
             warnings.warn(
-                f"NEOFIX_TRACE={trace!r} is not a boolean (1/0, true/false); using 0", NeofixWarning, stacklevel=3
+                f"NEOFIX_TRACE={trace!r} is not a boolean (1/0, true/false); using 0",
+                NeofixWarning,
+                stacklevel=caller_stacklevel(),
             )

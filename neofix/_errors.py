@@ -112,6 +112,25 @@ def _user_stacklevel() -> int:
     return 2
 
 
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside neofix, importlib and ``_INTERNAL``.
+
+    Call it in the arguments of the ``warnings.warn`` call.  Levels are counted the way ``warnings.warn`` counts
+    them: it skips importlib's bootstrap frames (``<frozen importlib._bootstrap>``), which a warning issued
+    during ``import neofix`` sits under, so that the warning names the user's ``import neofix`` line.
+    """
+    frame = sys._getframe(2)  # the caller of the function that calls warnings.warn (stacklevel 2)
+    level = 2
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not ("importlib" in filename and "_bootstrap" in filename):  # warnings.warn does not count these
+            if frame.f_globals.get("__name__", "").split(".")[0] not in (*_INTERNAL, "importlib"):
+                return level
+            level += 1
+        frame = frame.f_back
+    return 2
+
+
 def reset_warnings() -> None:
     """Forget which repairs were already reported (tests use this)."""
     with _warned_lock:

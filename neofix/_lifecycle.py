@@ -17,7 +17,7 @@ import threading
 import warnings
 
 from . import _errors
-from ._errors import NeofixWarning
+from ._errors import NeofixWarning, caller_stacklevel
 from ._families import FAMILIES, Family, Target
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time (it is most of the import cost)
@@ -266,7 +266,9 @@ def _restore(applied: list[_Applied]) -> None:
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, NeofixWarning, stacklevel=3)
+    # the first caller outside neofix: the user's `import neofix` line (NEOFIX_TRACE), `patch()` call, or import
+    # of transformers (the post-import hook)
+    warnings.warn(message, NeofixWarning, stacklevel=caller_stacklevel())
 
 
 def _on_import(module: Any) -> None:

@@ -130,12 +130,16 @@ FEATURES.update(
             "GPTNeoForSequenceClassification pools the last token of a left-padded row from transformers 4.36 on "
             "(before, it pooled the token at index count(non-pad) - 1, right padding only)",
         ),
-        "onnx": ((0, 0), "torch.onnx.export needs the onnx package (pip install 'neofix[test]')"),
+        "onnx": ((0, 0), "torch.onnx.export needs the onnx package (pip install 'transformers-neofix[test]')"),
         "onnxscript": (
             (0, 0),
-            "torch.onnx.export(dynamo=True) needs the onnx and onnxscript packages (pip install 'neofix[test]')",
+            "torch.onnx.export(dynamo=True) needs the onnx and onnxscript packages "
+            "(pip install 'transformers-neofix[test]')",
         ),
-        "onnxruntime": ((0, 0), "running an exported ONNX model needs onnxruntime (pip install 'neofix[test]')"),
+        "onnxruntime": (
+            (0, 0),
+            "running an exported ONNX model needs onnxruntime (pip install 'transformers-neofix[test]')",
+        ),
     }
 )
 

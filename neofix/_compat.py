@@ -112,3 +112,29 @@ def positional_names(function: Any) -> tuple[str, ...]:
         if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
             names.append(parameter.name)
     return tuple(names[1:]) if names and names[0] == "self" else tuple(names)
+
+
+try:  # torch >= 2.4: torch.export (and the ONNX exporter built on it) sets this, torch.compile does not
+    _is_exporting = torch.compiler.is_exporting
+except AttributeError:  # pragma: no cover - older torch: no way to tell an export from a compilation
+
+    def _is_exporting() -> bool:
+        return True
+
+
+def is_compiling() -> bool:
+    """True inside ``torch.compile`` (dynamo), not in an export.
+
+    There the patch runs its shape logic (mask extension, positions from the mask, slicing), which dynamo traces
+    into the graph, so that a compiled loop is as correct as an eager one; nothing is read off the device and
+    nothing is reported.
+    """
+    return _is_compiling() and not _is_exporting()
+
+
+def is_stepping_aside(tensor: Any = None) -> bool:
+    """True while torch.jit.trace, torch.fx (and transformers' HFTracer) or torch.export runs: the patch leaves the
+    call exactly as it is, so the traced or exported graph is vanilla's."""
+    if _is_compiling():
+        return _is_exporting()
+    return _jit_is_tracing() or _fx_state._is_fx_tracing_flag or isinstance(tensor, _Proxy)

@@ -20,37 +20,52 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
 
+POSITION_SOURCES = ("mask", "transformers")
+
+
 class _Settings:
-    __slots__ = ("check_values", "log_steps", "mode", "strict")
+    __slots__ = ("check_values", "log_steps", "mode", "strict", "uncached_positions")
 
     def __init__(self) -> None:
         self.mode = "repair"
         self.strict = False
         self.check_values = False
+        self.uncached_positions = "mask"
         self.log_steps = False  # NEOFIX_TRACE=1: log one line per step through logging.getLogger("neofix")
 
 
 settings = _Settings()
 
 
-def configure(*, mode: str | None = None, check_values: bool | None = None) -> dict[str, Any]:
+def configure(
+    *, mode: str | None = None, check_values: bool | None = None, uncached_positions: str | None = None
+) -> dict[str, Any]:
     """Change neofix's settings and return the previous ones (``neofix.configure(**old)`` restores them).
 
     mode
         ``"repair"`` (default): a step that can be repaired unambiguously (a mask that was not extended, stale
-        position ids) is repaired and a :class:`~neofix.NeofixWarning` is emitted once per kind of repair.
-        ``"strict"``: every step that would need a repair raises :class:`~neofix.NeofixError` instead.
+        position ids, positions that disagree with the mask) is repaired and a :class:`~neofix.NeofixWarning` is
+        emitted once per kind of repair.  ``"strict"``: every step that would need a repair raises
+        :class:`~neofix.NeofixError` instead.  Strict mode may read values off the device on decode steps (to raise
+        at the step where positions go wrong): one synchronisation per step where the caller passes positions.
     check_values
-        ``False`` (default): token ids, and position ids passed by the caller, are range-checked on prefill and on
-        every multi-token step (one host-device synchronisation, negligible there, and it keeps a bad id from
-        becoming a device-side assert); single-token decode steps get shape checks only, so they add no
-        synchronisation.  There, on the CPU, a bad id or position still becomes a ``TokenIdError`` /
-        ``PositionError`` (translated from the embedding's ``IndexError``); on an accelerator it is the device's
-        own error.  ``True``: every step also checks values: token ids, position ranges, and that the position ids
-        of real (unmasked) tokens equal those derived from the attention mask (repaired in repair mode, an error
-        in strict mode).  Costs one synchronisation per step on an accelerator.
+        ``False`` (default): token ids and the range of given positions are checked on prefill and multi-token steps
+        (one host-device synchronisation there, negligible, and it keeps a bad id from becoming a device-side
+        assert); single-token decode steps read nothing: their positions are compared with the mask's and repaired on
+        the device.  On the CPU a bad id or position on such a step still becomes a ``TokenIdError`` /
+        ``PositionError`` (translated from the embedding's ``IndexError``); on an accelerator it is the device's own
+        error.  ``True``: every step also range-checks token ids and positions, at one synchronisation per step.
+    uncached_positions
+        ``"mask"`` (default): a forward without a cache and without position_ids (training, scoring, classification
+        heads) on a left-padded batch gets positions from the attention mask, so that a padded row computes what it
+        computes alone (warned once: its logits and losses differ from an unpatched run).  ``"transformers"``: such
+        forwards keep transformers' own positions, exactly as unpatched (for a model fine-tuned on them).
     """
-    previous = {"mode": settings.mode, "check_values": settings.check_values}
+    previous = {
+        "mode": settings.mode,
+        "check_values": settings.check_values,
+        "uncached_positions": settings.uncached_positions,
+    }
     if mode is not None:
         if mode not in MODES:
             raise ValueError(f"neofix.configure(mode={mode!r}): mode must be one of {MODES}")
@@ -60,12 +75,18 @@ def configure(*, mode: str | None = None, check_values: bool | None = None) -> d
         if not isinstance(check_values, bool):
             raise ValueError(f"neofix.configure(check_values={check_values!r}): check_values must be True or False")
         settings.check_values = check_values
+    if uncached_positions is not None:
+        if uncached_positions not in POSITION_SOURCES:
+            raise ValueError(
+                f"neofix.configure(uncached_positions={uncached_positions!r}): must be one of {POSITION_SOURCES}"
+            )
+        settings.uncached_positions = uncached_positions
     return previous
 
 
 def load_environment(environ: Any = os.environ) -> None:
-    """Apply ``NEOFIX_MODE``, ``NEOFIX_CHECK_VALUES`` and ``NEOFIX_TRACE``; warn (never raise) on values it does not
-    understand."""
+    """Apply ``NEOFIX_MODE``, ``NEOFIX_CHECK_VALUES``, ``NEOFIX_UNCACHED_POSITIONS`` and ``NEOFIX_TRACE``; warn (never
+    raise) on values it does not understand."""
     mode = environ.get("NEOFIX_MODE")
     if mode is not None and mode.strip():
         value = mode.strip().lower()
@@ -85,6 +106,17 @@ def load_environment(environ: Any = os.environ) -> None:
         elif value not in _FALSE:
             warnings.warn(
                 f"NEOFIX_CHECK_VALUES={check!r} is not a boolean (1/0, true/false); using 0",
+                NeofixWarning,
+                stacklevel=caller_stacklevel(),
+            )
+    source = environ.get("NEOFIX_UNCACHED_POSITIONS")
+    if source is not None and source.strip():
+        value = source.strip().lower()
+        if value in POSITION_SOURCES:
+            configure(uncached_positions=value)
+        else:
+            warnings.warn(
+                f"NEOFIX_UNCACHED_POSITIONS={source!r} is not one of {POSITION_SOURCES}; using 'mask'",
                 NeofixWarning,
                 stacklevel=caller_stacklevel(),
             )

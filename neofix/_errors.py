@@ -9,6 +9,7 @@ import warnings
 __all__ = [
     "NeofixError",
     "MaskLengthError",
+    "MaskValueError",
     "BatchMismatchError",
     "PositionError",
     "SequenceTooLongError",
@@ -29,6 +30,10 @@ class NeofixError(ValueError):
 
 class MaskLengthError(NeofixError):
     """The attention mask does not cover exactly the cached plus the new tokens."""
+
+
+class MaskValueError(NeofixError):
+    """The 2D attention mask holds values other than 0 (padding) and 1 (a real token)."""
 
 
 class BatchMismatchError(NeofixError):
@@ -67,6 +72,7 @@ class NeofixWarning(UserWarning):
 for _public in (
     NeofixError,
     MaskLengthError,
+    MaskValueError,
     BatchMismatchError,
     PositionError,
     SequenceTooLongError,

@@ -1,5 +1,6 @@
-"""Where a step's outcome goes: its repairs are warned (once per kind), and step listeners (``neofix.trace``,
-``NEOFIX_TRACE``) receive a :class:`StepInfo` for every forward the patch handles.
+"""Where a step's outcome goes: its repairs are warned (once per kind), decode steps' position reports are read when
+that costs nothing, and step listeners (``neofix.trace``, ``NEOFIX_TRACE``) receive a :class:`StepInfo` for every
+forward the patch handles.
 
 Importing this module imports neither torch nor transformers (``import neofix`` does not import it).
 """
@@ -7,10 +8,10 @@ Importing this module imports neither torch nor transformers (``import neofix`` 
 from __future__ import annotations
 
 import threading
-
-from ._errors import warn_once
-
 from typing import Any, Callable, NamedTuple
+
+from . import _errors
+from ._errors import warn_once
 
 
 class StepInfo(NamedTuple):
@@ -56,3 +57,112 @@ def warn_repairs(repairs: Any) -> None:
     for repair in repairs:
         if repair.message:
             warn_once(repair.kind, repair.message)
+
+
+# -- position reports of decode steps ----------------------------------------------------------------------------------
+#
+# A decode step compares given positions with the mask's and repairs them on the device (``torch.where``); whether it
+# did is only known on the device.  On the CPU it is read at once (there is no device to wait for).  On an accelerator
+# the comparison is copied to pinned host memory without blocking, an event is recorded behind the copy, and the next
+# forward reads it once the event says the copy has landed: never waiting, never synchronising.  Once the repair has
+# been reported (warnings are once per kind), no report is made at all.
+
+#: Reports copied off an accelerator, oldest first: (event, host tensor of shape (3, batch), cached tokens, whether
+#: positions came from a mask).
+pending: list[tuple[Any, Any, int | None, bool]] = []
+_pending_lock = threading.Lock()
+
+#: Tests set this to treat CPU tensors as if they lived on an accelerator (the non-blocking path, with events that
+#: land at the next poll), so that CI without an accelerator can prove the path never reads the device.
+SIMULATE_ACCELERATOR = False
+
+
+def deliver(report: Any) -> None:
+    """Report a decode step's position repair (a :class:`~neofix._core.Report`) without blocking."""
+    from ._core._types import POSITION_VALUES
+
+    if POSITION_VALUES in _errors._warned:
+        return
+    import torch
+
+    wrong = report.wrong
+    if wrong.device.type == "cpu" and not SIMULATE_ACCELERATOR:
+        if wrong.any():  # CPU memory: reading it waits for nothing
+            _warn_positions(wrong, report.given, report.derived, report.past, report.from_mask)
+        return
+    packed = torch.stack(
+        [
+            wrong.reshape(-1).long(),
+            torch.broadcast_to(report.given, wrong.shape).reshape(-1).long(),
+            torch.broadcast_to(report.derived, wrong.shape).reshape(-1).long(),
+        ]
+    )
+    event = _event(packed.device)
+    if event is None:  # no way to know when a copy has landed: report nothing rather than wait
+        return
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=packed.device.type == "cuda")
+    host.copy_(packed, non_blocking=True)
+    event.record()
+    host._neofix_host_copy = True  # what tests' synchronisation counters may read
+    with _pending_lock:
+        pending.append((event, host, report.past, report.from_mask))
+
+
+def poll() -> None:
+    """Read the reports whose copies have landed (never waiting for the others)."""
+    while pending:
+        with _pending_lock:
+            if not pending or not pending[0][0].query():
+                return
+            _, host, past, from_mask = pending.pop(0)
+        wrong, given, derived = host.tolist()  # host memory, already written: no synchronisation
+        if any(wrong):
+            from ._core._types import POSITION_VALUES
+            from ._core._values import describe_position, repaired_message
+
+            row = wrong.index(1)
+            described = describe_position(row, 0, given[row], derived[row], past, from_mask)
+            warn_once(POSITION_VALUES, repaired_message(described))
+
+
+def _warn_positions(wrong: Any, given: Any, derived: Any, past: int | None, from_mask: bool) -> None:
+    from ._core._types import POSITION_VALUES
+    from ._core._values import describe_wrong, repaired_message
+
+    warn_once(POSITION_VALUES, repaired_message(describe_wrong(wrong, given, derived, past, from_mask)))
+
+
+class _LandsAtNextPoll:
+    """The event of a simulated accelerator (tests): its copy has landed from the first poll after the step on."""
+
+    def __init__(self) -> None:
+        self.polled = False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        landed, self.polled = self.polled, True
+        return landed
+
+
+def _event(device: Any) -> Any:
+    if SIMULATE_ACCELERATOR and device.type == "cpu":
+        return _LandsAtNextPoll()
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.Event()
+    event_class = getattr(torch, "Event", None)  # torch >= 2.4: events of any accelerator
+    if event_class is None:
+        return None
+    try:
+        return event_class(device=device)
+    except Exception:  # noqa: BLE001 - an accelerator without events: no report
+        return None
+
+
+def clear_pending() -> None:
+    """Forget reports not read yet (tests)."""
+    with _pending_lock:
+        pending.clear()

@@ -17,6 +17,7 @@ is the cheapest thing to call on every decode step.  Every wrapper steps aside w
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import weakref
 from typing import Any, Callable
@@ -24,10 +25,18 @@ from typing import Any, Callable
 import torch
 
 from . import _caches, _compat, _reports
-from ._compat import is_tracing, positional_names
+from ._compat import is_compiling, is_stepping_aside, is_tracing, positional_names
 from ._config import settings
-from ._core import Limits, StepInputs, align, derive_positions, explain_index_error, step_unchanged
-from ._errors import AttentionWindowError, MaskLengthError, NeofixError, SequenceTooLongError, warn_once
+from ._core import Limits, Policy, StepInputs, align, derive_positions, explain_index_error, step_unchanged
+from ._errors import (
+    AttentionWindowError,
+    InputShapeError,
+    MaskLengthError,
+    MaskValueError,
+    NeofixError,
+    SequenceTooLongError,
+    warn_once,
+)
 from ._reports import StepInfo
 
 #: Marks every function neofix installs (``neofix.trace`` tells a patched model by it).
@@ -46,20 +55,29 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     flat_input_ids_accepted = adapter.FLAT_INPUT_IDS_ACCEPTED
     legacy_cache_rejected = adapter.LEGACY_CACHE_REJECTED
     read_cache = adapter.read_cache
+    check_step = adapter.check_step
     listeners = _reports.listeners
+    pending = _reports.pending
+    right_padded = _RIGHT_PADDED
 
     @functools.wraps(original)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else kwargs.get("input_ids")
         if first is None:
             first = kwargs.get("inputs_embeds")
-        if is_tracing(first):
+        if is_stepping_aside(first):
             return original(self, *args, **kwargs)
+        if is_compiling():
+            return _compiled_step(self, original, names, args, kwargs, adapter)
+        if pending:  # position reports of earlier steps, read once their copies have landed (never waiting)
+            _reports.poll()
         layers, limits = _model_facts(self, adapter)
         if len(args) <= 1 and first is not None and not settings.check_values and (args or "input_ids" in kwargs):
             cache = aligned_decode_step(first, kwargs, layers, limits, read_cache, legacy_cache_rejected)
             if cache is not None:
                 # the usual decode step, already aligned: align() would return every input unchanged
+                if right_padded:
+                    _check_right_padding(kwargs)
                 if listeners:
                     mask = kwargs.get("attention_mask")
                     _reports.emit(
@@ -82,19 +100,32 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
         if type(cache) is tuple and cache and legacy_cache_rejected:
             kwargs[key] = cache = _legacy_cache(cache, self.config)
         view = read_cache(cache, layers)
+        check_step(self, view)
+        if right_padded and view.length != 0:
+            _check_right_padding(kwargs)
         mask = kwargs.get("attention_mask")
+        given = kwargs.get("position_ids")
         step = StepInputs(
             input_ids,
             kwargs.get("inputs_embeds"),
             mask,
-            kwargs.get("position_ids"),
+            given,
             kwargs.get("token_type_ids"),
             kwargs.get("cache_position"),
         )
-        aligned = align(step, view, limits, strict=settings.strict, check_values=settings.check_values)
+        policy = Policy(
+            settings.strict,
+            settings.check_values,
+            given is not None and _is_trusted(given),
+            False,
+            settings.uncached_positions,
+        )
+        aligned = align(step, view, limits, policy)
         if aligned is None:
             return original(self, **kwargs)
         _reports.warn_repairs(aligned.repairs)
+        if aligned.report is not None:
+            _reports.deliver(aligned.report)
         positions = aligned.position_ids
         kwargs["attention_mask"] = aligned.attention_mask
         kwargs["position_ids"] = positions
@@ -116,14 +147,51 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                 )
             )
         try:
-            return original(self, **kwargs)
+            output = original(self, **kwargs)
         except IndexError as exc:
             # Single-token decode steps skip the value checks (they would synchronise with the device).  On the CPU
             # a bad id or position surfaces as this IndexError: name the value instead.
             explain_index_error(exc, limits, input_ids, aligned.token_type_ids, positions)
             raise
+        if aligned.right_padded:
+            _mark_right_padded(output, aligned.right_padded)
+        return output
 
     return _mark(forward)
+
+
+def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple, kwargs: dict, adapter: Any) -> Any:
+    """The model forward inside ``torch.compile``: the same alignment, traced into the graph from shapes alone.
+
+    Nothing is read off the device, nothing warned or traced, no cache marked (dynamo would break the graph for
+    each); a repair is made silently, and an error of the step contract still raises.
+    """
+    if args:
+        kwargs = {**dict(zip(names, args)), **kwargs}
+    input_ids = kwargs.get("input_ids")
+    if input_ids is not None and input_ids.dim() != 2:
+        return original(self, **kwargs)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    view = adapter.read_cache(cache, adapter.layers(self))
+    step = StepInputs(
+        input_ids,
+        kwargs.get("inputs_embeds"),
+        kwargs.get("attention_mask"),
+        kwargs.get("position_ids"),
+        kwargs.get("token_type_ids"),
+        kwargs.get("cache_position"),
+    )
+    policy = Policy(settings.strict, False, False, True, settings.uncached_positions)
+    aligned = align(step, view, adapter.limits(self.config), policy)
+    if aligned is None:
+        return original(self, **kwargs)
+    kwargs["attention_mask"] = aligned.attention_mask
+    kwargs["position_ids"] = aligned.position_ids
+    if "token_type_ids" in kwargs:
+        kwargs["token_type_ids"] = aligned.token_type_ids
+    if "cache_position" in kwargs:
+        kwargs["cache_position"] = aligned.cache_position
+    return original(self, **kwargs)
 
 
 def aligned_decode_step(
@@ -131,15 +199,21 @@ def aligned_decode_step(
 ) -> Any:
     """The cache view of a decode step :func:`~neofix._core.align` would leave as it is (see
     :func:`~neofix._core.step_unchanged`, read from the call's arguments and the cache's shapes; no tensor is read),
-    or ``None``.  The model forward then calls transformers with the caller's arguments untouched."""
+    or ``None``.  The model forward then calls transformers with the caller's arguments untouched.
+
+    Positions must be none, or generate's own (built from the mask by transformers): positions a caller passes are
+    compared with the mask's on the device, which the general path does.
+    """
     shape = input_ids.shape
     if len(shape) != 2 or kwargs.get("inputs_embeds") is not None:
         return None
     cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
     if cache is None or (type(cache) is tuple and legacy_cache_rejected):
         return None
-    mask = kwargs.get("attention_mask")
     positions = kwargs.get("position_ids")
+    if positions is not None and not _is_trusted(positions):
+        return None
+    mask = kwargs.get("attention_mask")
     cache_position = kwargs.get("cache_position")
     view = read_cache(cache, layers)
     unchanged = step_unchanged(  # positional: this runs on every decode step
@@ -153,6 +227,70 @@ def aligned_decode_step(
         limits.max_positions,
     )
     return view if unchanged else None
+
+
+# -- positions transformers' generate built (trusted: compared with nothing on decode steps) ------------------------
+
+# id(tensor) -> weak reference to it: the position_ids prepare_inputs_for_generation returned
+_TRUSTED: dict[int, Any] = {}
+
+
+def _trust(positions: Any) -> None:
+    if isinstance(positions, torch.Tensor):
+        key = id(positions)
+        _TRUSTED[key] = weakref.ref(positions, lambda _, key=key: _TRUSTED.pop(key, None))
+
+
+def _is_trusted(positions: Any) -> bool:
+    ref = _TRUSTED.get(id(positions))
+    return ref is not None and ref() is positions
+
+
+# -- right padding at the start of decoding ---------------------------------------------------------------------------
+
+# id(cache, or for a legacy cache its first key) -> (weak reference to it, the rows that ended in padding at prefill)
+_RIGHT_PADDED: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+
+def _cache_key(cache: Any) -> Any:
+    if type(cache) is tuple or type(cache) is list:
+        first = cache[0] if cache else None
+        return first[0] if first else None
+    return cache
+
+
+def _mark_right_padded(output: Any, rows: tuple[int, ...]) -> None:
+    """Remember that the cache this prefill returned holds right-padded rows: if it is decoded from, say so then."""
+    cache = _caches.of_output(output)
+    if cache is None and isinstance(output, tuple) and len(output) > 1:  # return_dict=False: (hidden, cache, ...)
+        cache = output[1]
+    key = _cache_key(cache)
+    if key is None:
+        return
+    try:
+        reference = weakref.ref(key, lambda _, k=id(key): _RIGHT_PADDED.pop(k, None))
+    except TypeError:  # not weakly referenceable: not followed
+        return
+    _RIGHT_PADDED[id(key)] = (reference, rows)
+
+
+def _check_right_padding(kwargs: dict) -> None:
+    key = _cache_key(_caches.of_call(kwargs)[1])
+    entry = _RIGHT_PADDED.get(id(key)) if key is not None else None
+    if entry is None or entry[0]() is not key:
+        return
+    rows = entry[1]
+    named = f"row {rows[0]}" if len(rows) == 1 else f"rows {', '.join(map(str, rows))}"
+    described = (
+        f"decoding continues from a cache whose prompt had right padding in {named}: the prompt's last column "
+        f"there is padding, so the next token of {'that row' if len(rows) == 1 else 'those rows'} was predicted from a "
+        f"pad, not from its last real token"
+    )
+    fix = "pad prompts on the left (tokenizer.padding_side = 'left') before decoding"
+    if settings.strict:
+        raise MaskValueError(f"{described}: {fix}")
+    del _RIGHT_PADDED[id(key)]
+    warn_once("right_padded", f"neofix: {described}. To fix: {fix}. Reported once.")
 
 
 # id(model) -> (weak reference to it, its layer count, its Limits), read once per model: both are Python-level
@@ -236,9 +374,11 @@ def make_prepare_inputs_for_generation(original: Any, adapter: Any) -> Callable[
     @functools.wraps(original)
     def prepare_inputs_for_generation(self: Any, *args: Any, **kwargs: Any) -> Any:
         inputs = original(self, *args, **kwargs)
-        if slices_uncached:
-            return inputs
-        return _uncached_inputs(inputs, args, kwargs)
+        if not slices_uncached:
+            inputs = _uncached_inputs(inputs, args, kwargs)
+        if isinstance(inputs, dict):
+            _trust(inputs.get("position_ids"))  # generate built them from the mask: decode steps compare nothing
+        return inputs
 
     return _mark(prepare_inputs_for_generation)
 
@@ -276,55 +416,123 @@ def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
     return inputs
 
 
+# The generate call running in this context (this thread or task): (the model, its prompt length).  Set by the
+# generate wrapper, read by the stopping-criteria wrapper and by the overflow report.
+_GENERATING: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("neofix_generating", default=None)
+
+
 def make_generate(original: Any, adapter: Any) -> Callable[..., Any]:
-    """``GPTNeoForCausalLM.generate``: refuse, before any forward, a length the model cannot reach."""
+    """``<Family>ForCausalLM.generate``: an empty prompt is refused before anything runs; a step that would pass the
+    position table raises :class:`~neofix.SequenceTooLongError` before its compute (from the model forward), here
+    told in generate's terms: how many tokens were generated and how many fit.
+
+    How far generate may run is never re-derived from its arguments: generate resolves that itself (max_new_tokens
+    against max_length, arguments against generation_config), and the stopping-criteria wrapper reads the result.
+    """
 
     @functools.wraps(original)
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _check_generate_length(self, args, kwargs)
-        return original(self, *args, **kwargs)
+        length = _prompt_length(args, kwargs)
+        if length is None:
+            return original(self, *args, **kwargs)
+        if length == 0:
+            raise InputShapeError(
+                "generate was given a prompt of 0 tokens: the model needs at least one token to continue from. "
+                "Start from the tokenizer's bos_token_id (input_ids=torch.tensor([[tokenizer.bos_token_id]])), or "
+                "pass no input_ids and let generate start from config.bos_token_id"
+            )
+        token = _GENERATING.set((self, length))
+        try:
+            return original(self, *args, **kwargs)
+        except SequenceTooLongError as exc:
+            raise _in_generate_terms(exc, length) from None
+        finally:
+            _GENERATING.reset(token)
 
     return _mark(generate)
 
 
-def _check_generate_length(instance: Any, args: tuple, kwargs: dict) -> None:
+def _prompt_length(args: tuple, kwargs: dict) -> int | None:
     prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if prompt is None:
         embeds = kwargs.get("inputs_embeds")
-        length = embeds.shape[1] if embeds is not None and embeds.dim() == 3 else None
-    else:
-        length = prompt.shape[-1] if isinstance(prompt, torch.Tensor) and prompt.dim() >= 1 else None
-    if length is not None and not is_tracing(prompt):
-        limit = instance.config.max_position_embeddings
-        total, reason = _generate_length(instance, kwargs, length)
-        # the last token generated is never fed back: the forwards reach total - 1 positions
-        if total is not None and total - 1 > limit:
-            fit = max(limit + 1 - length, 0)
-            raise SequenceTooLongError(
-                f"generate would run to {total} tokens ({reason}), feeding the model {total - 1}, but "
-                f"config.max_position_embeddings is {limit}: "
-                + (
-                    f"at most max_new_tokens={fit} fit after this {length}-token prompt"
-                    if fit
-                    else f"the {length}-token prompt alone is longer than that; shorten it"
-                )
+        return embeds.shape[1] if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 else None
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() < 1 or is_tracing(prompt):
+        return None
+    return int(prompt.shape[-1])
+
+
+def _in_generate_terms(exc: SequenceTooLongError, prompt: int) -> SequenceTooLongError:
+    """The model forward's overflow error, retold for a generate call with a ``prompt``-token prompt."""
+    past, total, limit = getattr(exc, "past", None), getattr(exc, "total", None), getattr(exc, "max_positions", None)
+    if past is None or total is None or limit is None or getattr(exc, "in_generate", False) or past < prompt:
+        return exc
+    generated = past - prompt + 1  # the step feeds back the token generated last
+    fit = max(limit - prompt + 1, 0)
+    told = SequenceTooLongError(
+        f"generate produced {generated} new token{'s' if generated != 1 else ''} after the {prompt}-token prompt, "
+        f"and feeding {'it' if generated == 1 else 'the last one'} back would need position {total - 1}, but "
+        f"config.max_position_embeddings is {limit} (positions 0 to {limit - 1}): at most {fit} new tokens fit "
+        f"after this prompt. Pass max_new_tokens={fit} or fewer (generate stopped before this step's compute)"
+    )
+    told.past, told.total, told.max_positions, told.in_generate = past, total, limit, True
+    return told
+
+
+def make_get_stopping_criteria(original: Any, adapter: Any) -> Callable[..., Any]:
+    """``GenerationMixin._get_stopping_criteria`` as a family's model sees it: generate calls it once, before the
+    first forward, with the lengths it has resolved.  Refuses a generate call that cannot possibly run within the
+    position table; everything that might still stop in time (an end-of-sequence token, a stopping criterion of the
+    caller's, a time limit) runs, and a step that would overflow raises then."""
+
+    @functools.wraps(original)
+    def _get_stopping_criteria(self: Any, *args: Any, **kwargs: Any) -> Any:
+        criteria = original(self, *args, **kwargs)
+        running = _GENERATING.get()
+        if running is not None and running[0] is self:
+            config = kwargs.get("generation_config", args[0] if args else None)
+            _refuse_what_cannot_run(config, criteria, running[1], adapter.limits(self.config).max_positions)
+        return criteria
+
+    return _mark(_get_stopping_criteria)
+
+
+def _refuse_what_cannot_run(config: Any, criteria: Any, prompt: int, limit: int | None) -> None:
+    if limit is None or config is None:
+        return
+    max_length = None
+    for criterion in criteria:
+        name = type(criterion).__name__
+        if name == "MaxLengthCriteria":
+            max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+        elif name != "EosTokenCriteria":
+            return  # a criterion of the caller's, a time limit or stop strings may end it in time
+    if max_length is None:
+        return
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None or (isinstance(eos, (list, tuple)) and not eos):
+        forced, why = max_length, f"no eos_token_id, so it runs to max_length={max_length}"
+    else:  # generation may end at the first end-of-sequence token not suppressed by the minimum lengths
+        min_new = getattr(config, "min_new_tokens", None) or 0
+        least = max(getattr(config, "min_length", None) or 0, prompt + min_new, prompt + 1)
+        forced = min(max_length, least)
+        if forced <= prompt + 1:
+            why = f"the {prompt}-token prompt itself"
+        else:
+            why = f"min_length={config.min_length}" if forced != prompt + min_new else f"min_new_tokens={min_new}"
+            why = f"{why} forces {forced - prompt} new tokens"
+    # the last token generated is never fed back: the forwards reach forced - 1 positions
+    if forced - 1 > limit:
+        fit = max(limit - prompt + 1, 0)
+        raise SequenceTooLongError(
+            f"generate cannot run within config.max_position_embeddings={limit}: {why}, which needs "
+            f"{forced - 1} positions"
+            + (
+                f"; at most {fit} new tokens fit after this {prompt}-token prompt"
+                if fit
+                else f"; the {prompt}-token prompt alone is longer than that: shorten it"
             )
-
-
-def _generate_length(model: Any, kwargs: dict, prompt_length: int) -> tuple[int | None, str]:
-    """The length generate may reach, resolved the way transformers does: max_new_tokens wins over max_length."""
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    max_new = kwargs.get("max_new_tokens")
-    max_length = kwargs.get("max_length")
-    if max_new is None and max_length is None and config is not None:
-        max_new = getattr(config, "max_new_tokens", None)
-        if max_new is None:
-            max_length = getattr(config, "max_length", None)
-    if max_new is not None:
-        return prompt_length + max_new, f"a {prompt_length}-token prompt plus max_new_tokens={max_new}"
-    if max_length is not None:
-        return max(max_length, prompt_length), f"max_length={max_length}"
-    return None, ""
+        )
 
 
 def make_prepare_4d_mask_for_float64(original: Any, adapter: Any) -> Callable[..., Any]:
@@ -352,6 +560,7 @@ __all__ = [
     "MARK",
     "make_flash_attention_forward",
     "make_generate",
+    "make_get_stopping_criteria",
     "make_model_forward",
     "make_prepare_4d_mask_for_float64",
     "make_prepare_inputs_for_generation",

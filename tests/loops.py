@@ -38,7 +38,10 @@ def decode(
 
     mask_mode   "synced": the mask covers cached + new tokens at every step; "stale": the prompt's mask is
                 passed at every step (the classic bug).
-    positions   "none" | "correct" (new tokens only) | "full" (every token so far) | "stale" (the prompt's).
+    positions   "none" | "correct" (new tokens only) | "full" (every token so far) | "stale" (the prompt's) |
+                "frozen" (correct for the prompt, then the prompt's last position again at every step: a loop that
+                forgets to increment) | "arange" (arange over the padded width, then the sequence length: the
+                classic batched-generation bug).
     cache_format "native" (what the model returned) | "legacy" (tuples) | "object" (a DynamicCache).
     chunks      split points: the prompt is fed in pieces with the cache (chunked prefill).
     """
@@ -66,6 +69,11 @@ def decode(
             kwargs["position_ids"] = reference_positions(step_mask)
         elif positions == "stale":
             kwargs["position_ids"] = reference_positions(prompt_mask)
+        elif positions == "frozen":
+            prompt_positions = reference_positions(prompt_mask)
+            kwargs["position_ids"] = prompt_positions if step < len(feeds) else prompt_positions[:, -1:]
+        elif positions == "arange":
+            kwargs["position_ids"] = torch.arange(fed - new.shape[1], fed)[None]
         if cache is not None:
             if cache_format == "legacy":
                 cache = legacy(cache)

@@ -212,7 +212,9 @@ def test_strict_mode_turns_repairs_into_errors():
     assert rows["out_of_vocabulary"]["neofix"]["text"] == "clear error: TokenIdError"
     assert rows["generate_beam"]["neofix"]["text"] == "correct"
     assert all(row["right"] for row in rows.values())
-    assert neofix.configure() == {"mode": "repair", "check_values": False}, "strict mode leaked out of the doctor"
+    assert neofix.configure() == {"mode": "repair", "check_values": False, "uncached_positions": "mask"}, (
+        "strict mode leaked out of the doctor"
+    )
 
 
 def test_strict_table_says_what_right_means(two_scenarios):
@@ -323,7 +325,7 @@ def test_leaves_the_process_as_found(two_scenarios):
         assert status == 0, out
         assert "neofix (repair mode)" in out  # the doctor's own mode, not the process's
         assert neofix.is_patched()
-        assert neofix.configure() == {"mode": "strict", "check_values": True}
+        assert neofix.configure() == {"mode": "strict", "check_values": True, "uncached_positions": "mask"}
         assert _errors._warned == reported
         assert transformers.logging.get_verbosity() == verbosity
         assert not logging.getLogger("neofix").disabled

@@ -19,7 +19,7 @@ import transformers
 
 import neofix
 from neofix import _wrappers
-from neofix._core import StepInputs, align
+from neofix._core import Policy, StepInputs, align
 from neofix._families import gpt_neo
 from neofix.testing import reference_positions, tiny_gpt_neo
 
@@ -39,19 +39,29 @@ def uneven(cache):
     return layers if isinstance(cache, tuple) else as_cache_object(layers)
 
 
+def as_generate_passes(positions):
+    """Positions as transformers' generate passes them: built from the mask by prepare_inputs_for_generation, which
+    neofix's wrapper marks as such (decode steps then compare them with nothing)."""
+    _wrappers._trust(positions)
+    return positions
+
+
 def step_kwargs(model, variant):
-    """A decode step after a left-padded 5-token prompt (2 rows), changed as ``variant`` says."""
+    """A decode step after a left-padded 5-token prompt (2 rows), changed as ``variant`` says; by default the step
+    generate makes (positions generate built from the mask)."""
     ids, mask = left_padded_batch([5, 3])
     cache = prefill(model, ids, mask)
     full = torch.cat([mask, mask.new_ones(2, 1)], -1)
     kwargs = {
         "input_ids": torch.tensor([[7], [8]]),
         "attention_mask": full,
-        "position_ids": reference_positions(full)[:, -1:],
+        "position_ids": as_generate_passes(reference_positions(full)[:, -1:]),
         cache_keyword(): cache,
         "use_cache": True,
     }
-    if variant == "no mask":
+    if variant == "positions of the caller":  # a hand-written loop's: compared with the mask's on the device
+        kwargs["position_ids"] = kwargs["position_ids"].clone()
+    elif variant == "no mask":
         kwargs["attention_mask"] = None
     elif variant == "no mask, no positions":
         kwargs["attention_mask"] = kwargs["position_ids"] = None
@@ -94,6 +104,7 @@ def step_kwargs(model, variant):
 
 FAST = {"well-formed", "no mask", "no mask, no positions", "cache_position"}
 SLOW = {
+    "positions of the caller",
     "no positions",
     "stale mask",
     "long mask",
@@ -131,7 +142,7 @@ def aligned_unchanged(model, kwargs):
         kwargs.get("cache_position"),
     )
     try:
-        aligned = align(step, view, gpt_neo.limits(model.config), strict=False, check_values=False)
+        aligned = align(step, view, gpt_neo.limits(model.config), Policy(trusted_positions=True))
     except neofix.NeofixError:
         return False
     return (
@@ -163,6 +174,14 @@ def model32():
     return tiny_gpt_neo(seed=0, dtype=torch.float32)
 
 
+def copied(kwargs):
+    """A deep copy of a step's arguments, positions still generate's."""
+    kwargs = copy.deepcopy(kwargs)
+    if kwargs.get("position_ids") is not None:
+        as_generate_passes(kwargs["position_ids"])
+    return kwargs
+
+
 @pytest.mark.parametrize("variant", sorted(FAST))
 def test_fast_path_output_is_vanilla_output(model32, variant):
     """Through the fast path, the patched forward computes exactly what vanilla does with the same arguments."""
@@ -173,10 +192,10 @@ def test_fast_path_output_is_vanilla_output(model32, variant):
         pytest.skip(f"GPT-Neo takes no cache_position argument on transformers {transformers.__version__}")
     kwargs = step_kwargs(model, variant)
     with torch.no_grad():
-        patched = model(**copy.deepcopy(kwargs)).logits
+        patched = model(**copied(kwargs)).logits
         neofix.unpatch()
         try:
-            plain = model(**copy.deepcopy(kwargs)).logits
+            plain = model(**copied(kwargs)).logits
         finally:
             neofix.patch()
     assert torch.equal(patched, plain)
@@ -188,7 +207,8 @@ def test_fast_path_stops_at_the_position_table(past):
     model = tiny_gpt_neo(dtype=torch.float64, max_position_embeddings=64)
     ids = torch.randint(1, 96, (1, past))
     cache = prefill(model, ids, torch.ones_like(ids))
-    kwargs = {"input_ids": torch.tensor([[5]]), "position_ids": torch.tensor([[past]]), cache_keyword(): cache}
+    positions = as_generate_passes(torch.tensor([[past]]))
+    kwargs = {"input_ids": torch.tensor([[5]]), "position_ids": positions, cache_keyword(): cache}
     assert in_step(model, kwargs) == (past < 64)
     if past == 64:
         with pytest.raises(neofix.SequenceTooLongError, match="sequence length 65"):

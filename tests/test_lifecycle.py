@@ -275,13 +275,19 @@ def test_import_never_crashes_on_unsupported_transformers():
 
 
 def test_configure_validates_and_restores():
-    previous = neofix.configure(mode="strict", check_values=True)
-    assert previous == {"mode": "repair", "check_values": False}
-    assert neofix.configure(**previous) == {"mode": "strict", "check_values": True}
+    previous = neofix.configure(mode="strict", check_values=True, uncached_positions="transformers")
+    assert previous == {"mode": "repair", "check_values": False, "uncached_positions": "mask"}
+    assert neofix.configure(**previous) == {
+        "mode": "strict",
+        "check_values": True,
+        "uncached_positions": "transformers",
+    }
     with pytest.raises(ValueError, match="mode must be one of"):
         neofix.configure(mode="lenient")
     with pytest.raises(ValueError, match="check_values must be True or False"):
         neofix.configure(check_values="yes")
+    with pytest.raises(ValueError, match=r"uncached_positions='vanilla'\): must be one of \('mask', 'transformers'\)"):
+        neofix.configure(uncached_positions="vanilla")
     assert neofix.configure() == previous
 
 

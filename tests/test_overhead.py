@@ -3,11 +3,11 @@
 Speed itself is measured by ``benchmarks/bench_decode.py``, never asserted here: a shared CI machine is too noisy
 for timed assertions on a decode step.  What is asserted is what must hold on any machine:
 
-* during single-token decode steps neofix converts no tensor to a Python value (``.item()``, ``bool()``,
-  ``int()``, ``float()``, ``.tolist()``, ``__index__``...): each one is a host-device synchronisation on an
-  accelerator.  A ``TorchFunctionMode`` sees every such conversion and the Python frame that asked for it; a
-  conversion asked for by a frame in neofix's files is neofix's.  The same loops run vanilla must make exactly as
-  many conversions in all, so neofix does not cause any indirectly either;
+* during single-token decode steps neofix reads no tensor value on the host (``.item()``, ``bool()``, ``int()``,
+  ``.tolist()``, ``nonzero()``, ``.cpu()``...): each one is a host-device synchronisation on an accelerator.  The
+  counter of ``tests/_sync.py`` sees every such read and the Python frame that asked for it, on a simulated
+  accelerator (position reports take the non-blocking path; reading their landed host copies is not counted).  The
+  same loops run vanilla must make exactly as many reads in all, so neofix does not cause any indirectly either;
 * the counter is proven to catch each kind of conversion: the tests put one into neofix's hot path (as code
   compiled under a neofix file name) and check that it is counted, and ``check_values=True`` (documented to cost
   one synchronisation per step) is counted too;
@@ -27,70 +27,20 @@ import warnings
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 import neofix
 from neofix import _wrappers
 
+from ._sync import DecodeReads, simulated_accelerator
 from .loops import decode, left_padded_batch
 
 STEPS = 6  # tokens per run: a prefill forward, then STEPS - 1 single-token decode steps
 DECODE_STEPS = STEPS - 1
 
-#: tensor -> Python conversions: each is a host-device synchronisation on an accelerator
-CONVERSIONS = frozenset(
-    {"item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "tolist", "numpy", "__array__"}
-)
-
-NEOFIX_DIR = os.path.dirname(os.path.abspath(neofix.__file__)) + os.sep
-TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-def _asked_by() -> str:
-    """``file:line`` of the innermost Python frame outside torch: who asked for the conversion."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(TORCH_DIR):
-            return f"{filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
-
-
-class ConversionCounter(TorchFunctionMode):
-    """Counts tensor -> Python conversions made after the model's first (prefill) forward: the decode steps."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        self.forwards = 0
-        self.decode = []  # (conversion, file:line) during decode steps
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if self.forwards and name in CONVERSIONS:
-            self.decode.append((name, _asked_by()))
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        def count(module, inputs, output):
-            self.forwards += 1
-
-        self._hook = self.model.transformer.register_forward_hook(count)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self._hook.remove()
-        return super().__exit__(*exc)
-
-    @property
-    def by_neofix(self):
-        return [(name, where) for name, where in self.decode if where.startswith(NEOFIX_DIR)]
-
-
 def count_conversions(model, run):
-    counter = ConversionCounter(model)
-    with warnings.catch_warnings():
+    """The host reads of ``run()``'s decode steps, on a simulated accelerator (see tests/_sync.py)."""
+    counter = DecodeReads(model)
+    with warnings.catch_warnings(), simulated_accelerator():
         warnings.simplefilter("ignore")  # repairs warn once; transformers may warn too
         with counter:
             run()
@@ -123,6 +73,8 @@ RUNS = {
     "loop, positions given": loop(positions="correct"),
     "loop, full-length positions": loop(positions="full"),
     "loop, mask not extended (repaired)": loop(mask_mode="stale"),
+    "loop, positions not incremented (repaired on the device)": loop(positions="frozen"),
+    "loop, arange positions on left padding (repaired)": loop(positions="arange"),
 }
 MATCH_VANILLA = ("generate", "loop", "loop, positions given")  # vanilla rejects the others
 
@@ -130,7 +82,7 @@ MATCH_VANILLA = ("generate", "loop", "loop, positions given")  # vanilla rejects
 @pytest.mark.parametrize("name", list(RUNS))
 def test_decode_steps_make_no_conversion_in_neofix(model, name):
     counter = count_conversions(model, lambda: RUNS[name](model))
-    assert counter.by_neofix == [], f"neofix converted tensors to Python values in decode steps: {counter.by_neofix}"
+    assert counter.by_neofix == [], f"neofix read tensor values on the host in decode steps: {counter.by_neofix}"
 
 
 @pytest.fixture(scope="module")
@@ -145,20 +97,42 @@ def model32():
 def test_decode_steps_convert_as_often_as_vanilla(model32, name):
     """neofix causes no conversion indirectly either (through a transformers helper it calls, say)."""
     model = model32
-    patched = count_conversions(model, lambda: RUNS[name](model)).decode
+    patched = count_conversions(model, lambda: RUNS[name](model)).reads
     neofix.unpatch()
     try:
-        vanilla = count_conversions(model, lambda: RUNS[name](model)).decode
+        vanilla = count_conversions(model, lambda: RUNS[name](model)).reads
     finally:
         neofix.patch()
     assert sorted(name for name, _ in patched) == sorted(name for name, _ in vanilla)
+
+
+def test_position_reports_read_only_landed_host_copies(model):
+    """The decode-step position repair is reported from a non-blocking copy, read once it has landed: the warning
+    comes at the next forward, and reading it is not a read of device memory (it is not counted).  Without the
+    simulated accelerator (CPU tensors: nothing to wait for) the flag is read at once, and the counter sees that."""
+    run = RUNS["loop, positions not incremented (repaired on the device)"]
+    counter = DecodeReads(model)
+    with simulated_accelerator(), warnings.catch_warnings(record=True) as caught, counter:
+        warnings.simplefilter("always")
+        run(model)
+    said = [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
+    assert len(said) == 1 and "position_ids[0, 0] is 5 at the step after 6 cached tokens" in said[0], said
+    assert counter.by_neofix == []
+    from neofix import _errors
+
+    _errors.reset_warnings()
+    cpu = DecodeReads(model)
+    with warnings.catch_warnings(), cpu:
+        warnings.simplefilter("ignore")
+        RUNS["loop, positions not incremented (repaired on the device)"](model)
+    assert [name for name, _ in cpu.by_neofix][:1] == ["__bool__"]  # the CPU path reads at once: seen
 
 
 def test_check_values_is_counted(model):
     """``check_values=True`` costs one synchronisation per step, as documented: the counter sees it."""
     neofix.configure(check_values=True)
     counter = count_conversions(model, lambda: RUNS["loop"](model))
-    assert len(counter.by_neofix) >= DECODE_STEPS, counter.decode
+    assert len(counter.by_neofix) >= DECODE_STEPS, counter.reads
 
 
 # A conversion slipped into neofix's hot path: compiled under a neofix file name, as if it were written there.
@@ -171,6 +145,8 @@ INJECTED = {
     "tolist": "input_ids.tolist()",
     "__index__": "operator.index(input_ids[0, 0])",
     "list index": "list(range(200))[input_ids[0, 0]]",
+    "nonzero": "(input_ids < 0).nonzero()",
+    "cpu": "input_ids.cpu()",
 }
 
 
@@ -187,7 +163,7 @@ def test_counter_catches_a_conversion_added_to_neofix(model, monkeypatch, kind):
     exec(compile(source, _wrappers.__file__, "exec"), namespace)
     monkeypatch.setattr(_wrappers, "align", namespace["align"])
     counter = count_conversions(model, lambda: RUNS["loop"](model))
-    assert len(counter.by_neofix) >= DECODE_STEPS, counter.decode
+    assert len(counter.by_neofix) >= DECODE_STEPS, counter.reads
     assert all(where.startswith(_wrappers.__file__) for _, where in counter.by_neofix)
 
 
@@ -200,7 +176,7 @@ def test_counter_ignores_conversions_outside_neofix(model):
             torch.ones(1).item()
 
     counter = count_conversions(model, user_loop)
-    assert len(counter.decode) >= DECODE_STEPS
+    assert len(counter.reads) >= DECODE_STEPS
     assert counter.by_neofix == []
 
 

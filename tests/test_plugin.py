@@ -30,8 +30,9 @@ def broken_positions(model, monkeypatch, how):
     """Break the model's cached decoding through its own prepare_inputs_for_generation (per instance).
 
     "dropped": no position_ids on any step (unpatched GPT-Neo then counts from the cache length, ignoring padding;
-    neofix derives them from the mask).  "shifted": decode steps get positions one too far (nothing repairs that
-    without check_values).
+    neofix derives them from the mask).  "shifted": decode steps get positions one too far (neofix compares them with
+    the mask's on the device and repairs them).  "masked": decode steps mask out the newest token itself (a mask is
+    the caller's to choose: nothing can tell that this one is wrong, but the reference can).
     """
     original = model.prepare_inputs_for_generation
 
@@ -39,10 +40,13 @@ def broken_positions(model, monkeypatch, how):
         inputs = original(*args, **kwargs)
         if how == "dropped":
             inputs["position_ids"] = None
-        else:
-            new, mask = inputs["input_ids"].shape[1], inputs["attention_mask"]
-            if mask.shape[1] > new:  # a decode step: the cache holds tokens
+            return inputs
+        new, mask = inputs["input_ids"].shape[1], inputs["attention_mask"]
+        if mask.shape[1] > new:  # a decode step: the cache holds tokens
+            if how == "shifted":
                 inputs["position_ids"] = reference_positions(mask)[:, -new:] + 1
+            else:
+                inputs["attention_mask"] = torch.cat([mask[:, :-1], torch.zeros_like(mask[:, -1:])], -1)
         return inputs
 
     # bound, as transformers up to 4.3x looks at prepare_inputs_for_generation.__func__
@@ -97,13 +101,28 @@ def test_neofix_repairs_the_dropped_positions(model, monkeypatch):
     assert_generation_consistent(broken_positions(model, monkeypatch, "dropped"), *left_padded_batch([6, 3, 5]))
 
 
+def test_fails_on_shifted_positions_unpatched(model, vanilla, monkeypatch):
+    model = broken_positions(vanilla_model(model), monkeypatch, "shifted")
+    ids, mask = left_padded_batch([6, 3, 5])
+    with pytest.raises(AssertionError, match=r"first at step (\d+) .*\n.*\nthe forward that produced it: step \1:"):
+        assert_generation_consistent(model, ids, mask)
+
+
+def test_neofix_repairs_the_shifted_positions(model, monkeypatch):
+    """Positions of the right shape but the wrong value: neofix compares them with the mask's and repairs them."""
+    model = broken_positions(model, monkeypatch, "shifted")
+    with pytest.warns(neofix.NeofixWarning, match=r"but the attention mask puts that real token of row \d at position"):
+        assert_generation_consistent(model, *left_padded_batch([6, 3, 5]))
+
+
 @pytest.mark.parametrize("patched", [True, False])
-def test_fails_on_shifted_positions(model, monkeypatch, patched):
+def test_fails_on_a_masked_newest_token(model, monkeypatch, patched):
+    """A fault no patch can see (the mask is the caller's to choose): the reference catches it, patched or not."""
     if not patched:
         neofix.unpatch()
         model = vanilla_model(model)
     try:
-        model = broken_positions(model, monkeypatch, "shifted")
+        model = broken_positions(model, monkeypatch, "masked")
         ids, mask = left_padded_batch([6, 3, 5])
         with pytest.raises(AssertionError, match=r"first at step (\d+) .*\n.*\nthe forward that produced it: step \1:"):
             assert_generation_consistent(model, ids, mask)
@@ -304,8 +323,9 @@ def test_my_broken_model(gpt_neo_tiny, monkeypatch):
 
     def prepare(self, *args, **kwargs):
         inputs = original(*args, **kwargs)
-        if inputs["input_ids"].shape[1] == 1:
-            inputs["position_ids"] = inputs["attention_mask"].long().sum(-1, keepdim=True)  # one too far
+        if inputs["input_ids"].shape[1] == 1:  # decode steps: the newest token masked out
+            mask = inputs["attention_mask"]
+            inputs["attention_mask"] = torch.cat([mask[:, :-1], torch.zeros_like(mask[:, -1:])], -1)
         return inputs
 
     monkeypatch.setattr(model, "prepare_inputs_for_generation", types.MethodType(prepare, model))
@@ -345,7 +365,7 @@ def test_downstream_project_uses_the_fixture_and_helpers(downstream):
         [
             "*test_my_broken_model*",
             "*AssertionError: cached generation differs from the full-recompute reference: first at step 1*row 0*",
-            "*the forward that produced it: step 1: batch 2, 1 new + 5 cached, mask 6, positions 4..6*",
+            "*the forward that produced it: step 1: batch 2, 1 new + 5 cached, mask 6, positions 3..5*",
         ]
     )
 

@@ -7,7 +7,7 @@ model family.
 """
 
 from ._align import align, raise_cache_length_error, step_unchanged
-from ._types import NO_CACHE, Aligned, CacheView, Limits, Repair, StepInputs
+from ._types import NO_CACHE, Aligned, CacheView, Limits, Policy, Repair, Report, StepInputs
 from ._values import derive_positions, explain_index_error
 
 __all__ = [
@@ -15,7 +15,9 @@ __all__ = [
     "Aligned",
     "CacheView",
     "Limits",
+    "Policy",
     "Repair",
+    "Report",
     "StepInputs",
     "align",
     "derive_positions",

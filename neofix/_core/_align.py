@@ -18,7 +18,7 @@ value checks of :mod:`._values`.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -29,22 +29,22 @@ from .._errors import (
     MaskLengthError,
     PositionError,
     SequenceTooLongError,
+    TokenIdError,
 )
 from ._types import (
     CACHE_POSITION_DROPPED,
     MASK_EXTENDED,
-    POSITIONS_DERIVED,
     POSITIONS_REDERIVED,
     POSITIONS_SLICED,
     TOKEN_TYPES_SLICED,
     Aligned,
     CacheView,
     Limits,
+    Policy,
     Repair,
     StepInputs,
 )
-from ._values import FIX_POSITIONS, derive_positions
-from ._values import check_values as _check_values
+from ._values import FIX_POSITIONS, settle
 
 FIX_MASK = "append a column of ones per new token (torch.cat([mask, mask.new_ones(batch, new_tokens)], -1))"
 
@@ -93,14 +93,7 @@ def step_unchanged(
     return mask_shape == (batch, past + 1) and positions_shape == (batch, 1)
 
 
-def align(
-    step: StepInputs,
-    cache: CacheView,
-    limits: Limits,
-    *,
-    strict: bool,
-    check_values: bool,
-) -> Aligned | None:
+def align(step: StepInputs, cache: CacheView, limits: Limits, policy: Policy = Policy()) -> Aligned | None:
     """Align one step, or raise :class:`~neofix.NeofixError`.
 
     ``cache`` says what the cache holds (:class:`CacheView`; its ``length`` is ``None`` when that cannot be told
@@ -112,19 +105,38 @@ def align(
         return None
     batch, new = shape
     total = check_cache(cache, batch, new, limits)
+    strict = policy.strict
     repairs: list[Repair] = []
-    mask, mask_2d = align_mask(step.attention_mask, batch, new, cache.length, total, strict, repairs)
+    mask, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs)
     token_types, cache_position = align_side_inputs(step, new, total, strict, repairs)
-    positions, given = align_positions(
-        step.position_ids, mask if mask_2d else None, batch, new, cache.length, total, cache_position, strict, repairs,
-        step.input_ids if step.input_ids is not None else step.inputs_embeds,
-    )
-    positions, values_checked = _check_values(
-        step.input_ids, token_types, positions, given, mask if mask_2d else None, new, cache.length, limits, strict,
-        check_values, repairs,
+    first = step.input_ids if step.input_ids is not None else step.inputs_embeds
+    positions, given = align_positions(step.position_ids, mask_2d, batch, new, cache.length, total, strict, repairs, first)
+    settled = settle(
+        step.input_ids,
+        token_types,
+        positions,
+        given,
+        mask if mask_2d else None,
+        new,
+        cache.length,
+        cache_position,
+        limits,
+        policy,
+        repairs,
     )
     # tuple.__new__ builds the same Aligned as Aligned(...) without the Python-level __new__ NamedTuple generates
-    aligned = (mask, positions, token_types, cache_position, batch, new, tuple(repairs), values_checked)
+    aligned = (
+        mask,
+        settled.positions,
+        token_types,
+        cache_position,
+        batch,
+        new,
+        tuple(repairs),
+        settled.values_read,
+        settled.report,
+        settled.right_padded,
+    )
     return _new_tuple(Aligned, aligned)  # type: ignore[no-any-return]
 
 
@@ -139,6 +151,11 @@ def read_inputs(step: StepInputs, limits: Limits) -> tuple[int, int] | None:
             raise InputShapeError(
                 f"input_ids has shape {tuple(input_ids.shape)}, but the model expects (batch, new_tokens): "
                 f"add the batch dimension (input_ids[None]) or flatten extra ones"
+            )
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TokenIdError(
+                f"input_ids has dtype {input_ids.dtype}, but token ids are integers (indices into the vocabulary): "
+                f"pass the tokenizer's input_ids (torch.long)"
             )
         batch, new = input_ids.shape
         name = "input_ids"
@@ -171,6 +188,14 @@ def check_cache(cache: CacheView, batch: int, new: int, limits: Limits) -> int |
             f"the cache holds {cache.batch} rows, but this step feeds {batch}: the cache, attention_mask and "
             f"inputs must hold the same rows (reorder or select the cache with the inputs, e.g. after beam search)"
         )
+    if cache.heads is not None and limits.heads is not None and (
+        cache.heads != limits.heads or cache.head_dim != limits.head_dim
+    ):
+        raise InputShapeError(
+            f"the cache holds keys of {cache.heads} heads of width {cache.head_dim}, but this model has {limits.heads} "
+            f"heads of width {limits.head_dim}: the cache was built by another model. Pass the cache this model "
+            f"returned, or none (the prompt is then encoded again)"
+        )
     past = cache.length
     lengths = cache.layer_lengths
     if lengths is not None and past is not None:
@@ -184,11 +209,13 @@ def check_cache(cache: CacheView, batch: int, new: int, limits: Limits) -> int |
     total = past + new
     if limits.max_positions is not None and total > limits.max_positions:
         fit = max(limits.max_positions - past, 0)
-        raise SequenceTooLongError(
+        error = SequenceTooLongError(
             f"this step would reach sequence length {total} (the cache holds {past} tokens and the step "
             f"feeds {new}), but config.max_position_embeddings is {limits.max_positions}: {fit} more new "
             f"token{'s' if fit != 1 else ''} fit; shorten the prompt or generate fewer tokens"
         )
+        error.past, error.total, error.max_positions = past, total, limits.max_positions
+        raise error
     return total
 
 
@@ -205,11 +232,16 @@ def raise_cache_length_error(layer: Any, held: int, expected: int) -> None:
 
 
 def align_mask(
-    mask: Any, batch: int, new: int, past: int | None, total: int | None, strict: bool, repairs: list[Repair]
+    mask: Any, batch: int, new: int, cache: CacheView, total: int | None, strict: bool, repairs: list[Repair]
 ) -> tuple[Any, bool]:
-    """The mask to use (a 2D mask extended where it was not), and whether it is a 2D padding mask."""
+    """The mask to use (a 2D mask extended where it was not), and whether it is a 2D padding mask.
+
+    A 3D or 4D mask is the model's own attention mask (transformers builds one for static caches): one row per new
+    token, and one column per cached plus new token, or per slot of a static cache.
+    """
     if mask is None:
         return None, False
+    past = cache.length
     dims = mask.dim()
     if dims == 2:
         if mask.shape[0] != batch:
@@ -229,6 +261,19 @@ def align_mask(
                 f"{expected}. A longer mask is ambiguous (which columns belong to the cache?): pass the mask of "
                 f"exactly the cached plus the new tokens"
             )
+        if past and (columns == new or columns > past):
+            # as wide as the new tokens (the chunk's own mask?) or covering only some of them: which columns are the
+            # cache's cannot be told, and extending would be a guess
+            raise MaskLengthError(
+                f"{expected}. It cannot be told which tokens it covers: "
+                + (
+                    f"as wide as this step's {tokens(new)}, it may be their mask alone (a chunk's own mask), or the "
+                    f"mask of the first {columns} cached tokens not extended since"
+                    if columns == new
+                    else f"it covers the {past} cached tokens and only some of the {tokens(new)}"
+                )
+                + f". Pass the mask of exactly the cached plus the new tokens (torch.cat([mask_so_far, new_mask], -1))"
+            )
         if strict:
             raise MaskLengthError(f"{expected}. The mask was not extended for the new tokens: {FIX_MASK}")
         repairs.append(
@@ -245,12 +290,18 @@ def align_mask(
                 f"the {dims}D attention_mask has {rows(mask.shape[0])}, but this step feeds {batch}: pass one mask "
                 f"row per input row (or one for all)"
             )
-        if mask.shape[-2] != new or (total is not None and mask.shape[-1] != total):
-            keys = "" if total is None else f", {total}"
+        keys = mask.shape[-1]
+        if cache.capacity is not None:
+            fits = keys == cache.capacity or (total is not None and keys == total)
+            needs = f"{cache.capacity} (the static cache's slots)"
+        else:
+            fits = total is None or keys == total
+            needs = f"{total}: one column per cached plus new token (the cache holds {past})"
+        if mask.shape[-2] != new or not fits:
             raise MaskLengthError(
-                f"the {dims}D attention_mask has shape {tuple(mask.shape)}, but this step needs (..., {new}{keys}): "
-                f"one row per new token and one column per cached plus new token (the cache holds {past}); or pass "
-                f"the 2D (batch, cached + new tokens) padding mask and let the model build the rest"
+                f"the {dims}D attention_mask has shape {tuple(mask.shape)}, but this step needs {new} row"
+                f"{'s' if new != 1 else ''} (one per new token) and {needs} columns; or pass the 2D (batch, cached + "
+                f"new tokens) padding mask and let the model build the rest"
             )
         return mask, False
     raise InputShapeError(f"attention_mask has shape {tuple(mask.shape)}; pass a 2D (batch, cached + new tokens) mask")
@@ -286,73 +337,54 @@ def align_side_inputs(
 
 def align_positions(
     positions: Any,
-    mask: Any,
+    mask_2d: bool,
     batch: int,
     new: int,
     past: int | None,
     total: int | None,
-    cache_position: Any,
     strict: bool,
     repairs: list[Repair],
     first: Any,
 ) -> tuple[Any, bool]:
-    """The positions to use, and whether they are the caller's (``False``: derived here, or left to the model)."""
-    if positions is not None:
-        dims = positions.dim()
-        if dims not in (1, 2):
-            raise PositionError(f"position_ids has shape {tuple(positions.shape)}; expected (batch, new_tokens)")
-        given_rows = positions.shape[0] if dims == 2 else 1
-        if given_rows not in (1, batch):
-            raise BatchMismatchError(
-                f"position_ids has {rows(given_rows)}, but this step feeds {batch}: pass one row per input row (or "
-                f"one row for all)"
-            )
-        length = positions.shape[-1]
-        if length == new:
-            return positions, True
-        described = f"position_ids has {length} columns, but this step feeds {tokens(new)} (the cache holds {past})"
-        if strict:
-            raise PositionError(f"{described}: {FIX_POSITIONS}")
-        if total is not None and length == total:
-            repairs.append(Repair(POSITIONS_SLICED, ""))
-            return positions[..., -new:], True
-        repairs.append(
-            Repair(
-                POSITIONS_REDERIVED,
-                f"neofix: {described}; derived them from the attention mask instead (stale prompt positions?). To "
-                f"fix your loop: {FIX_POSITIONS}. Reported once.",
-            )
-        )
-        if mask is None:
-            if past is None:
-                return None, False
-            # no 2D mask: every token is real, so positions simply continue after the cache
-            return torch.arange(past, total, device=first.device).unsqueeze(0), False  # type: ignore[arg-type]
-    if mask is None:
-        return None, False
-    derived = derive_positions(mask, new)
-    if past is not None:
-        derived = _trailing_pads_as_transformers(derived, mask, past, cache_position)
-    repairs.append(Repair(POSITIONS_DERIVED, ""))
-    return derived, False
+    """The positions after the shape rules, and whether they are the caller's.
 
-
-def _trailing_pads_as_transformers(
-    positions: torch.Tensor, mask: torch.Tensor, past_length: int, cache_position: torch.Tensor | None
-) -> torch.Tensor:
-    """Derived positions, except that pads after a row's last real token keep the positions transformers gives them.
-
-    A pad's position changes nothing for the real tokens (it is masked out), but it does change the pad's own
-    logits and hidden states, which some heads read (QA takes a softmax over every column, pads included).  An
-    unpadded or right-padded row then computes exactly what it computes unpatched, bit for bit.  transformers'
-    own positions when none are given: ``cache_position`` where the release passes it, else ``arange(p, p + q)``.
-    Elementwise only: no device synchronisation.
+    ``(given positions of q columns, True)``, or ``(None, False)`` to derive them from the 2D mask in the value step
+    (or leave them to the model where there is none), or ``(positions made from shapes, False)``: positions of
+    another length with no 2D mask, where every token is real and positions continue after the cache.
     """
-    new = positions.shape[-1]
-    if cache_position is not None and cache_position.dim() == 1:
-        own = cache_position.unsqueeze(0)
-    else:
-        own = torch.arange(past_length, past_length + new, device=positions.device).unsqueeze(0)
-    real = mask[:, -new:] != 0
-    trailing = real.flip(-1).cumsum(-1).flip(-1) == 0  # no real token at or after this column
-    return torch.where(trailing, own.to(positions.dtype), positions)
+    if positions is None:
+        return None, False
+    dims = positions.dim()
+    if dims not in (1, 2):
+        raise PositionError(f"position_ids has shape {tuple(positions.shape)}; expected (batch, new_tokens)")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise PositionError(
+            f"position_ids has dtype {positions.dtype}, but positions are integers (indices into the position "
+            f"table): pass torch.long positions, e.g. (mask.long().cumsum(-1) - 1).clamp(min=0)"
+        )
+    given_rows = positions.shape[0] if dims == 2 else 1
+    if given_rows not in (1, batch):
+        raise BatchMismatchError(
+            f"position_ids has {rows(given_rows)}, but this step feeds {batch}: pass one row per input row (or one row "
+            f"for all)"
+        )
+    length = positions.shape[-1]
+    if length == new:
+        return positions, True
+    described = f"position_ids has {length} columns, but this step feeds {tokens(new)} (the cache holds {past})"
+    if strict:
+        raise PositionError(f"{described}: {FIX_POSITIONS}")
+    if total is not None and length == total:
+        repairs.append(Repair(POSITIONS_SLICED, ""))
+        return positions[..., -new:], True
+    repairs.append(
+        Repair(
+            POSITIONS_REDERIVED,
+            f"neofix: {described}; derived them from the attention mask instead (stale prompt positions?). To fix "
+            f"your loop: {FIX_POSITIONS}. Reported once.",
+        )
+    )
+    if mask_2d or past is None:
+        return None, False
+    # no 2D mask: every token is real, so positions simply continue after the cache
+    return torch.arange(past, total, device=first.device).unsqueeze(0), False  # type: ignore[arg-type]

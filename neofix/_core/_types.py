@@ -7,10 +7,12 @@ from typing import Any, NamedTuple
 
 # Repair kinds: the names traces list in ``repairs`` and warnings are remembered by (each is warned once).
 MASK_EXTENDED = "mask_extended"
-POSITIONS_DERIVED = "positions_derived"  # none were given: derived from the mask (normal, not warned)
+POSITIONS_DERIVED = "positions_derived"  # none were given: derived from the mask (warned once where it changes a
+# forward without a cache: left padding, where transformers' own positions count the pads)
 POSITIONS_SLICED = "positions_sliced"  # positions of cached plus new tokens: the last q taken (not warned)
 POSITIONS_REDERIVED = "positions_rederived"  # positions of another length (stale): derived from the mask instead
-POSITION_VALUES = "position_values_repaired"  # right shape, wrong values: the mask's positions used
+POSITION_VALUES = "position_values_repaired"  # a cached step's positions disagree with the mask: the mask's used
+POSITIONS_COUNT_PADDING = "positions_count_padding"  # prefill: arange over a left-padded row; re-derived
 TOKEN_TYPES_SLICED = "token_type_ids_sliced"
 CACHE_POSITION_DROPPED = "cache_position_dropped"
 
@@ -63,6 +65,37 @@ class StepInputs(NamedTuple):
     cache_position: Any = None
 
 
+class Policy(NamedTuple):
+    """How to align a step: the settings in force and what the caller knows about where the step comes from.
+
+    ``strict``: raise instead of repairing.  ``check_values``: read token ids and position ranges on every step.
+    ``trusted_positions``: the positions were built from the mask by transformers' generate (no need to compare).
+    ``compiling``: inside ``torch.compile``: shapes only, nothing read off the device, nothing reported.
+    ``uncached_positions``: ``"mask"`` derives the positions of a left-padded forward without a cache from the mask;
+    ``"transformers"`` leaves transformers' own there.  ``absolute_positions``: the family looks positions up in a
+    table, so their values matter on their own (not only their differences).
+    """
+
+    strict: bool = False
+    check_values: bool = False
+    trusted_positions: bool = False
+    compiling: bool = False
+    uncached_positions: str = "mask"
+    absolute_positions: bool = True
+
+
+class Report(NamedTuple):
+    """A decode step's position repair, made on the device without reading it back: ``wrong`` (rows whose position
+    disagreed with the mask), what was ``given`` and the ``derived`` position, all of shape (batch, 1).  The caller
+    reads it when that costs nothing (at once on the CPU; on an accelerator once a non-blocking copy has landed)."""
+
+    wrong: Any
+    given: Any
+    derived: Any
+    past: int | None
+    from_mask: bool = True  # derived from the attention mask (else: no mask, positions continue after the cache)
+
+
 class Repair(NamedTuple):
     """Something alignment changed.  ``message`` is the warning to show once per kind ("" for silent adjustments)."""
 
@@ -81,6 +114,8 @@ class Aligned(NamedTuple):
     new_tokens: int
     repairs: tuple[Repair, ...]
     values_checked: bool
+    report: Report | None = None
+    right_padded: tuple[int, ...] = ()
 
     @property
     def repair_kinds(self) -> tuple[str, ...]:

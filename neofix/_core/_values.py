@@ -1,20 +1,35 @@
-"""Value checks: what the tensors hold (token ids, positions), as opposed to their shapes.
+"""Values: what the tensors hold (token ids, mask values, positions), as opposed to their shapes.
 
-Reading a value off an accelerator is a host-device synchronisation, so every check a step needs is gathered into
-one tensor and read once, and only where that is cheap or asked for: on prefill and multi-token steps, and on
-single-token decode steps with ``check_values=True``.
+Reading a value off an accelerator is a host-device synchronisation.  So a step reads values at most once, and only
+where that is cheap: on prefill and multi-token steps every check the step needs is gathered into one tensor and read
+in one go (token ids, mask values, whether the mask has left or right padding, whether given positions agree with the
+mask).  A single-token decode step reads nothing (unless ``check_values`` or strict mode asks): given positions are
+compared with the mask's on the device and repaired there (``torch.where``), and the comparison is handed back as a
+:class:`~neofix._core.Report` for the caller to read when that costs nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from .._errors import PositionError, TokenIdError
-from ._types import POSITION_VALUES, Limits, Repair
+from .._errors import MaskValueError, PositionError, TokenIdError
+from ._types import (
+    POSITION_VALUES,
+    POSITIONS_COUNT_PADDING,
+    POSITIONS_DERIVED,
+    Limits,
+    Policy,
+    Repair,
+    Report,
+)
 
 FIX_POSITIONS = "pass only the new tokens' positions, or none at all and neofix derives them from the mask"
+_FIX_VALUES = (
+    "positions must advance by one per real token: derive them from the attention mask "
+    "((mask.cumsum(-1) - 1).clamp(min=0)), or pass none and neofix derives them"
+)
 
 
 def derive_positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -23,7 +38,17 @@ def derive_positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Ten
     return positions.clamp_(min=0)
 
 
-def check_values(
+class Settled(NamedTuple):
+    positions: Any
+    values_read: bool
+    report: Report | None
+    right_padded: tuple[int, ...]
+
+
+_NOTHING = Settled(None, False, None, ())
+
+
+def settle(
     input_ids: Any,
     token_types: Any,
     positions: Any,
@@ -31,86 +56,334 @@ def check_values(
     mask: Any,
     new: int,
     past: int | None,
+    cache_position: Any,
     limits: Limits,
-    strict: bool,
-    check_values: bool,
+    policy: Policy,
     repairs: list[Repair],
-) -> tuple[Any, bool]:
-    """Check the step's values where that is cheap or asked for; return (positions, whether values were read)."""
-    prefill = new > 1 or not past
-    check_ids = input_ids is not None and (prefill or check_values)
-    # given positions index the position table
-    check_range = given and limits.max_positions is not None and (prefill or check_values)
-    check_positions = check_values and given and mask is not None
-    if not (check_ids or check_range):
-        return positions, False
-    repaired = _read_and_check(
-        input_ids if check_ids else None,
-        token_types if check_ids else None,
-        positions if check_range else None,
-        mask if check_positions else None,
-        new,
-        limits,
-        strict,
-        repairs,
-    )
-    return (positions if repaired is None else repaired), True
+) -> Settled:
+    """The step's positions, after every value check the step gets.
 
-
-def _read_and_check(
-    input_ids: torch.Tensor | None,
-    token_types: torch.Tensor | None,
-    positions: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    new: int,
-    limits: Limits,
-    strict: bool,
-    repairs: list[Repair],
-) -> torch.Tensor | None:
-    """Check token ids, the range of given positions and (with ``mask``) their values with one synchronisation.
-
-    Returns repaired positions, or None when nothing was repaired.
+    ``positions`` are the caller's (``given``), or ``None`` (derive them from the 2D ``mask`` where one is given),
+    or positions already made from shapes (``given`` False: a step without a mask).  ``mask`` is the aligned 2D mask
+    or ``None``.
     """
-    named = (("input_ids", input_ids), ("token_type_ids", token_types))
-    id_tensors = [(name, ids) for name, ids in named if ids is not None]
-    flags = [_outside(t, limits.vocab_size) for _, t in id_tensors]
-    if positions is not None:
-        flags.append(_outside(positions, limits.max_positions))  # type: ignore[arg-type]
-    derived = wrong = None
-    if positions is not None and mask is not None:
-        derived = derive_positions(mask, new)
-        wrong = (positions != derived) & (mask[:, -new:] != 0)
-        flags.append(wrong.any())
-    if not flags:
+    decode = new == 1 and past != 0
+    compare = given and policy.absolute_positions and not policy.trusted_positions
+    if policy.compiling:
+        return Settled(_without_reading(positions, given, compare, mask, new, past, cache_position), False, None, ())
+    if decode and not policy.check_values and not (compare and policy.strict):
+        if given:
+            if compare:
+                return _repaired_on_device(positions, mask, past, repairs)
+            return Settled(positions, False, None, ())
+        if mask is None:
+            return Settled(positions, False, None, ())
+        repairs.append(Repair(POSITIONS_DERIVED, ""))
+        return Settled(_decode_positions(mask, past, cache_position), False, None, ())
+    return _read_once(input_ids, token_types, positions, given, compare, mask, new, past, cache_position, limits,
+                      policy, repairs)
+
+
+# -- steps that read nothing -------------------------------------------------------------------------------------
+
+
+def _decode_positions(mask: torch.Tensor, past: int | None, cache_position: Any) -> torch.Tensor:
+    """The position of a single new token from the mask: real tokens so far minus one.  A masked new token (a
+    finished row) keeps the position transformers gives it."""
+    counted = mask.sum(-1, keepdim=True, dtype=torch.long) - 1
+    if cache_position is not None and cache_position.dim() == 1:
+        own = cache_position.unsqueeze(0).to(counted.dtype)
+    elif past is not None:
+        own = torch.full_like(counted, past)
+    else:
+        return counted.clamp_(min=0)
+    return torch.where(mask[:, -1:] != 0, counted, own)
+
+
+def _mask_positions(mask: torch.Tensor, new: int, past: int | None, cache_position: Any) -> torch.Tensor:
+    """Positions of the last ``new`` columns from the mask, pads after a row's last real token kept as transformers
+    gives them.
+
+    A pad's position changes nothing for the real tokens (it is masked out), but it does change the pad's own
+    logits and hidden states, which some heads read (QA takes a softmax over every column, pads included).  An
+    unpadded or right-padded row then computes exactly what it computes unpatched, bit for bit.  transformers' own
+    positions when none are given: ``cache_position`` where the release passes it, else ``arange(p, p + q)``.
+    """
+    if new == 1 and past != 0:
+        return _decode_positions(mask, past, cache_position)
+    derived = derive_positions(mask, new)
+    if past is None:
+        return derived
+    if cache_position is not None and cache_position.dim() == 1:
+        own = cache_position.unsqueeze(0)
+    else:
+        own = torch.arange(past, past + new, device=derived.device).unsqueeze(0)
+    real = mask[:, -new:] != 0
+    trailing = real.flip(-1).cumsum(-1).flip(-1) == 0  # no real token at or after this column
+    return torch.where(trailing, own.to(derived.dtype), derived)
+
+
+def _step_truth(mask: Any, new: int, past: int | None, like: torch.Tensor) -> tuple[Any, Any] | None:
+    """``(derived, real)`` for comparing given positions at a cached step: the mask's positions of the new tokens and
+    which of them are real; without a mask every token is real and positions continue after the cache."""
+    if mask is not None:
+        if new == 1:
+            return mask.sum(-1, keepdim=True, dtype=torch.long) - 1, mask[:, -1:] != 0
+        return mask.long().cumsum(-1)[:, -new:] - 1, mask[:, -new:] != 0
+    if past is None:
         return None
-    found = torch.stack(flags).tolist()  # the one synchronisation
-    for (name, ids), bad in zip(id_tensors, found):
-        if bad:
-            raise_token_id_error(ids, limits.vocab_size, name=name)
-    if positions is not None and found[len(id_tensors)]:
+    derived = torch.arange(past, past + new, device=like.device).unsqueeze(0)
+    return derived, torch.ones_like(derived, dtype=torch.bool)
+
+
+def _repaired_on_device(positions: torch.Tensor, mask: Any, past: int | None, repairs: list[Repair]) -> Settled:
+    truth = _step_truth(mask, 1, past, positions)
+    if truth is None:
+        return Settled(positions, False, None, ())
+    derived, real = truth
+    wrong = real & (positions != derived)
+    repaired = torch.where(wrong, derived, positions)
+    return Settled(repaired, False, Report(wrong, positions, derived, past, mask is not None), ())
+
+
+def _without_reading(
+    positions: Any, given: bool, compare: bool, mask: Any, new: int, past: int | None, cache_position: Any
+) -> Any:
+    """Inside ``torch.compile``: the same positions an eager step ends with, computed from shapes and on the device
+    only (nothing read, nothing reported)."""
+    if given:
+        if not compare or past == 0:
+            return positions
+        truth = _step_truth(mask, new, past, positions)
+        if truth is None:
+            return positions
+        derived, real = truth
+        return torch.where(real & (positions != derived), derived, positions)
+    if mask is None:
+        return positions
+    return _mask_positions(mask, new, past, cache_position)
+
+
+# -- steps that read once ----------------------------------------------------------------------------------------
+
+
+class _Reads:
+    """Values gathered for the one read of a step: each added tensor is flattened; :meth:`read` returns the values
+    by name."""
+
+    __slots__ = ("names", "parts", "sizes")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.parts: list[torch.Tensor] = []
+        self.sizes: list[int] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        flat = tensor.reshape(-1)
+        if flat.dtype != torch.long:
+            flat = flat.long()
+        self.names.append(name)
+        self.parts.append(flat)
+        self.sizes.append(flat.shape[0])
+
+    def add_min_max(self, name: str, tensor: torch.Tensor) -> None:
+        low, high = torch.aminmax(tensor)
+        self.add(name, torch.stack([low, high]) if low.dtype == torch.long else torch.stack([low, high]).long())
+
+    def read(self) -> dict[str, list[int]]:
+        if not self.parts:
+            return {}
+        values = (torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]).tolist()  # the one read
+        out: dict[str, list[int]] = {}
+        start = 0
+        for name, size in zip(self.names, self.sizes):
+            out[name] = values[start : start + size]
+            start += size
+        return out
+
+
+def _read_once(
+    input_ids: Any,
+    token_types: Any,
+    positions: Any,
+    given: bool,
+    compare: bool,
+    mask: Any,
+    new: int,
+    past: int | None,
+    cache_position: Any,
+    limits: Limits,
+    policy: Policy,
+    repairs: list[Repair],
+) -> Settled:
+    reads = _Reads()
+    if input_ids is not None:
+        reads.add_min_max("ids", input_ids)
+        if token_types is not None:
+            reads.add_min_max("types", token_types)
+    if given and limits.max_positions is not None:
+        reads.add_min_max("positions", positions)
+    prefill = past == 0
+    cumsum = real = None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            steps = mask.to(torch.int8)
+        elif mask.dtype.is_floating_point:
+            reads.add("mask_not_binary", ((mask != 0) & (mask != 1)).any())
+            steps = mask
+        else:
+            reads.add_min_max("mask", mask)
+            steps = mask
+        if mask.shape[-1] > 1:  # +1 where a pad is followed by a real token (left padding), -1 the other way
+            reads.add_min_max("steps", steps[:, 1:] - steps[:, :-1])
+        if prefill:
+            reads.add("right_padded", mask[:, -1] < mask.amax(-1))
+    if compare and not prefill:
+        truth = _step_truth(mask, new, past, positions)
+        if truth is not None:
+            derived, real = truth
+            wrong = real & (positions != derived)
+            reads.add("wrong", wrong.any())
+    elif compare and mask is not None:  # prefill: rows whose positions count their left padding (arange)
+        cumsum = mask.long().cumsum(-1)
+        real = mask != 0
+        leading = (cumsum == 0).sum(-1, keepdim=True)
+        counts_pads = ((positions == cumsum - 1 + leading) | ~real).all(-1) & (leading[:, 0] > 0) & real.any(-1)
+        reads.add("counts_pads", counts_pads)
+    found = reads.read()
+
+    if found.get("ids") and not (0 <= found["ids"][0] and found["ids"][1] < limits.vocab_size):
+        raise_token_id_error(input_ids, limits.vocab_size)
+    if found.get("types") and not (0 <= found["types"][0] and found["types"][1] < limits.vocab_size):
+        raise_token_id_error(token_types, limits.vocab_size, name="token_type_ids")
+    if found.get("positions") and not (0 <= found["positions"][0] and found["positions"][1] < limits.max_positions):  # type: ignore[operator]
         raise_position_range_error(positions, limits.max_positions)  # type: ignore[arg-type]
-    if derived is None or not found[-1]:
-        return None
-    row, column = wrong.nonzero()[0].tolist()  # type: ignore[union-attr]
-    given = int(torch.broadcast_to(positions, derived.shape)[row, column])  # type: ignore[arg-type]
+    if found.get("mask_not_binary", [0])[0] or (found.get("mask") and not (0 <= found["mask"][0] and found["mask"][1] <= 1)):
+        _raise_mask_value_error(mask)
+    left_padded = bool(found.get("steps") and found["steps"][1] > 0)
+    right_padded = tuple(row for row, flag in enumerate(found.get("right_padded", ())) if flag)
+
+    if given:
+        if found.get("wrong", [0])[0]:
+            positions = _repair_cached(  # type: ignore[has-type]
+                positions, derived, wrong, past, mask is not None, policy.strict, repairs
+            )
+        elif found.get("counts_pads") and any(found["counts_pads"]):
+            positions = _repair_counted_padding(positions, mask, cumsum, real, found["counts_pads"], policy.strict,
+                                                repairs)
+        return Settled(positions, True, None, right_padded)
+    if positions is not None or mask is None:  # made from shapes (no mask)
+        return Settled(positions, True, None, right_padded)
+    if not left_padded:
+        # every real token sits at its column: transformers' own positions (arange) are the mask's already
+        return Settled(None, True, None, right_padded)
+    if prefill:
+        if policy.uncached_positions == "transformers":
+            return Settled(None, True, None, right_padded)
+        repairs.append(Repair(POSITIONS_DERIVED, _from_mask_message(mask)))
+    else:
+        repairs.append(Repair(POSITIONS_DERIVED, ""))
+    return Settled(_mask_positions(mask, new, past, cache_position), True, None, right_padded)
+
+
+def _from_mask_message(mask: torch.Tensor) -> str:
+    row = int((mask[:, 1:].long() > mask[:, :-1].long()).any(-1).nonzero()[0, 0])  # once per process: a read is fine
+    return (
+        f"neofix: row {row} of this forward is left-padded and no position_ids were given: neofix gave its real tokens "
+        f"positions from the attention mask (0, 1, 2, ... from the first real token) instead of transformers' own, "
+        f"which count the padding, so that a padded row computes what it computes alone (and decodes as it would "
+        f"alone). Logits and losses of left-padded rows therefore differ from an unpatched run. To choose positions "
+        f"yourself pass position_ids; neofix.configure(uncached_positions='transformers') keeps transformers' own "
+        f"for every forward without a cache. Reported once."
+    )
+
+
+def _repair_cached(
+    positions: torch.Tensor,
+    derived: torch.Tensor,
+    wrong: torch.Tensor,
+    past: int | None,
+    from_mask: bool,
+    strict: bool,
+    repairs: list[Repair],
+) -> torch.Tensor:
+    described = describe_wrong(wrong, positions, derived, past, from_mask)
+    if strict:
+        raise PositionError(f"{described}: {_FIX_VALUES}")
+    repairs.append(Repair(POSITION_VALUES, repaired_message(described)))
+    return torch.where(wrong, derived, positions)
+
+
+def describe_wrong(
+    wrong: torch.Tensor, given: torch.Tensor, derived: torch.Tensor, past: int | None, from_mask: bool = True
+) -> str:
+    """Words for the first wrong position of a cached step (reads a few values: an error or a one-time warning)."""
+    row, column = (int(i) for i in wrong.nonzero()[0])
+    value = int(torch.broadcast_to(given, wrong.shape)[row, column])
+    expected = int(torch.broadcast_to(derived, wrong.shape)[row, column])
+    return describe_position(row, column, value, expected, past, from_mask)
+
+
+def describe_position(row: int, column: int, value: int, expected: int, past: int | None, from_mask: bool) -> str:
+    after = "" if past is None else f" at the step after {past} cached tokens"
+    truth = (
+        f"the attention mask puts that real token of row {row} at position {expected}"
+        if from_mask
+        else f"with no attention mask every token is real, so that token is at position {expected}"
+    )
+    return f"position_ids[{row}, {column}] is {value}{after}, but {truth}"
+
+
+def repaired_message(described: str) -> str:
+    return (
+        f"neofix: {described} (arange over a left-padded batch, or a loop that does not increment its positions?); "
+        f"used the mask's positions. To fix your loop: {_FIX_VALUES}. Reported once."
+    )
+
+
+def _repair_counted_padding(
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    cumsum: torch.Tensor,
+    real: torch.Tensor,
+    flags: list[int],
+    strict: bool,
+    repairs: list[Repair],
+) -> torch.Tensor:
+    rows = [row for row, flag in enumerate(flags) if flag]
+    row = rows[0]
+    first = int(real[row].long().argmax())
+    given = int(torch.broadcast_to(positions, mask.shape)[row, first])
+    named = f"row {row}" if len(rows) == 1 else f"rows {', '.join(map(str, rows))}"
     described = (
-        f"position_ids[{row}, {column}] is {given}, but the attention mask puts that real token at position "
-        f"{int(derived[row, column])}"
+        f"position_ids count the left padding of {named}: the first real token of row {row} is at position {given}, "
+        f"but the attention mask puts it at 0 (arange over a left-padded batch: the classic batched-generation bug)"
     )
     if strict:
-        raise PositionError(f"{described}: positions must advance by one per real token; {FIX_POSITIONS}")
+        raise PositionError(f"{described}; {_FIX_VALUES}")
     repairs.append(
         Repair(
-            POSITION_VALUES,
-            f"neofix: {described}; used the positions derived from the mask. To fix your loop: {FIX_POSITIONS}. "
-            f"Reported once.",
+            POSITIONS_COUNT_PADDING,
+            f"neofix: {described}; derived {'its' if len(rows) == 1 else 'their'} positions from the mask. To fix "
+            f"your code: {_FIX_VALUES}. Reported once.",
         )
     )
-    return derived
+    bad_rows = torch.tensor(flags, dtype=torch.bool, device=mask.device).unsqueeze(-1)
+    return torch.where(bad_rows & real, (cumsum - 1).clamp(min=0), positions)
 
 
-def _outside(values: torch.Tensor, size: int) -> torch.Tensor:
-    return ((values < 0) | (values >= size)).any()
+def _raise_mask_value_error(mask: torch.Tensor) -> None:
+    bad = ((mask != 0) & (mask != 1)).nonzero()
+    row, column = (int(i) for i in bad[0])
+    value = mask[row, column].item()
+    raise MaskValueError(
+        f"attention_mask[{row}, {column}] is {value}, but a 2D attention mask holds 1 for a real token and 0 for "
+        f"padding, nothing else. An additive mask (0 and -inf or a large negative number) is the model's own "
+        f"internal form: pass the tokenizer's attention_mask, or (additive_mask == 0).long()"
+    )
+
+
+# -- errors naming a value (they read: they only run when a step fails) --------------------------------------------
 
 
 def _first_outside(values: torch.Tensor, size: int) -> tuple[str, int] | None:

@@ -86,6 +86,7 @@ GPT_NEO = Family(
             required=True,
         ),
         Target("GPTNeoForCausalLM", "generate", wrapper="make_generate", required=True),
+        Target("GPTNeoForCausalLM", "_get_stopping_criteria", wrapper="make_get_stopping_criteria", required=True),
         Target(
             "GPTNeoSelfAttention",
             "forward",

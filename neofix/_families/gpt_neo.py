@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import _caches, _compat
 from .._core import CacheView, Limits
+from .._errors import AttentionWindowError
 from . import GPT_NEO
 
 FAMILY = GPT_NEO
@@ -47,3 +48,22 @@ def layers(model: Any) -> int:
 
 def read_cache(cache: Any, layer_count: int) -> CacheView:
     return _caches.read(cache, layer_count)
+
+
+def check_step(model: Any, cache: CacheView) -> None:
+    """GPT-Neo's own limit: its local attention layers slice their window out of a causal buffer at the cache's
+    last slot, which is the token's position only for a cache that grows.  With a static cache of more slots than the
+    window, local layers would attend to the wrong tokens (vanilla transformers silently gives wrong tokens)."""
+    capacity = cache.capacity
+    if capacity is None:
+        return
+    config = model.config
+    window = config.window_size
+    if capacity > window and "local" in config.attention_layers:
+        raise AttentionWindowError(
+            f"a static cache of {capacity} slots with GPT-Neo's local attention layers (window of {window} tokens): "
+            f"transformers' GPT-Neo takes each local layer's window from the cache's last slot, not from the token's "
+            f"position, so with more slots than the window the local layers attend to the wrong tokens (transformers "
+            f"gives wrong tokens without an error). Use the default dynamic cache (drop cache_implementation='static'), "
+            f"or a static cache of at most {window} slots"
+        )

@@ -2,7 +2,8 @@
 
 Tests that show what neofix changes first pin what vanilla transformers does, precisely: the exception class and a
 fragment of its message, or :data:`WRONG` (it runs and produces other tokens than the well-formed call), or
-:data:`ACCEPTED` (it runs without a word).  Anything else fails the test, a leaked ``NeofixError`` included.
+:data:`ACCEPTED` (it runs without a word), or :data:`CORRECT` (it runs and gets it right).  Anything else fails the
+test, a leaked ``NeofixError`` included.
 
 Every entry was measured (tiny random GPT-Neo in float32, torch 2.13 CPU, unpatched) on each release of the tox
 matrix, listed in :data:`MEASURED`.  An entry maps ranges of measured releases (``"4.26-4.30"``, ``"4.36"``) to the
@@ -43,6 +44,8 @@ class Silent(NamedTuple):
 WRONG = Silent("silently wrong tokens")
 #: Vanilla runs the call without an error or a warning (its output is not judged: the input has no one meaning).
 ACCEPTED = Silent("silently accepted")
+#: Vanilla runs the call and returns the right tokens.
+CORRECT = Silent("correct tokens")
 
 Outcome = Union[Raises, Silent]
 
@@ -124,8 +127,16 @@ VANILLA: dict[str, dict[str, Outcome]] = {
         "4.45-5.24": size(5, 4, 2),
     },
     # cache layers of different lengths
-    "cache layer 2 shorter, legacy tuples": {"4.26-4.40": size(5, 6, 3), "4.45-4.53": ACCEPTED, "4.57-5.24": TUPLE_CACHE},
-    "cache layer 3 shorter, Cache object": {"4.26-4.40": size(5, 6, 3), "4.45-5.0": ACCEPTED, "5.10-5.24": size(5, 6, 3)},
+    "cache layer 2 shorter, legacy tuples": {
+        "4.26-4.40": size(5, 6, 3),
+        "4.45-4.53": ACCEPTED,
+        "4.57-5.24": TUPLE_CACHE,
+    },
+    "cache layer 3 shorter, Cache object": {
+        "4.26-4.40": size(5, 6, 3),
+        "4.45-5.0": ACCEPTED,
+        "5.10-5.24": size(5, 6, 3),
+    },
     "cache layer 0 shorter": {ALL: size(6, 5, 3)},
     "cache with fewer layers than the model": {"4.26-4.53": ACCEPTED, "4.57-5.24": TUPLE_CACHE},
     # empty steps, wrong embedding widths
@@ -146,6 +157,9 @@ VANILLA: dict[str, dict[str, Outcome]] = {
     "strict: stale prompt position_ids": {"4.26-4.30": size(2, 10, 0), "4.36-5.24": size(10, 6, 3)},
     # hand-written loops (tests/test_state.py): left-padded [6, 3, 5], the prompt's mask passed at every step
     "loop keeping the prompt mask": {"4.26-5.0": size(7, 6, 3), "5.10-5.24": WRONG},
+    # generate(full sequence, cache of a prefix) (tests/test_generate.py): up to 4.35 only the last token is fed
+    "generate continuing a cache, 1 uncached token": {ALL: CORRECT},
+    "generate continuing a cache, 3 uncached tokens": {"4.26-4.30": size(4, 6, 3), "4.36-5.24": CORRECT},
 }
 
 
@@ -198,7 +212,7 @@ def assert_vanilla(case: str, run: Callable[[], Any], wrong: Callable[[Any], boo
     """Run ``run()`` on unpatched transformers and assert the outcome the table records for ``case``.
 
     ``wrong(result)`` says whether a run that returned ``result`` produced other tokens than the well-formed call
-    (needed where the table says :data:`WRONG`).
+    (needed where the table says :data:`WRONG` or :data:`CORRECT`).
     """
     import neofix
 
@@ -214,6 +228,7 @@ def assert_vanilla(case: str, run: Callable[[], Any], wrong: Callable[[Any], boo
         assert type(exc) is outcome.error and outcome.fragment in str(exc), f"{where}, got {type(exc).__name__}: {exc}"
         return
     assert isinstance(outcome, Silent), f"{where}, but it ran"
-    if outcome is WRONG:
+    if outcome in (WRONG, CORRECT):
         assert wrong is not None, f"{case!r}: the test must say how to tell wrong tokens"
-        assert wrong(result), f"{where}, but it returned the well-formed call's tokens"
+        got = "the well-formed call's tokens" if outcome is WRONG else "other tokens than the well-formed call"
+        assert wrong(result) == (outcome is WRONG), f"{where}, but it returned {got}"

@@ -463,8 +463,18 @@ def test_vanilla_table_covers_every_case_and_measured_release():
 
 @pytest.mark.parametrize(
     "release, nearest",
-    [((4, 26), (4, 26)), ((4, 20), (4, 26)), ((4, 33), (4, 30)), ((4, 34), (4, 36)), ((4, 55), (4, 53)), ((4, 56), (4, 57)),
-     ((5, 5), (5, 0)), ((5, 6), (5, 10)), ((5, 40), (5, 24)), ((6, 0), (5, 24))],
+    [
+        ((4, 26), (4, 26)),
+        ((4, 20), (4, 26)),
+        ((4, 33), (4, 30)),  # a tie goes to the older release
+        ((4, 34), (4, 36)),
+        ((4, 55), (4, 53)),
+        ((4, 56), (4, 57)),
+        ((5, 5), (5, 0)),
+        ((5, 6), (5, 10)),
+        ((5, 40), (5, 24)),
+        ((6, 0), (5, 24)),
+    ],
 )
 def test_an_unmeasured_release_uses_the_nearest_measured_one(release, nearest):
     assert nearest in MEASURED

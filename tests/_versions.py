@@ -24,6 +24,10 @@ FEATURES = {
     "float64 mask bug": ((4, 36), "only transformers 4.36 - 4.44 build the causal mask through the buggy helper"),
     "fx tracing": ((0, 0), ""),
     "flash-attention-2 class": ((4, 36), "GPTNeoFlashAttention2 arrived in transformers 4.36"),
+    "attention layers get the whole cache": (
+        (4, 45),
+        "up to 4.44 each GPT-Neo attention layer gets its own (key, value) pair; from 4.45 the whole Cache object",
+    ),
     "generate slices uncached tokens": (
         (4, 36),
         "before 4.36 GPT-Neo's prepare_inputs_for_generation fed only the last token when a cache was given",

@@ -5,9 +5,14 @@ caches of 2 rows x 5 tokens) is run twice:
 
 * patched: the error class and every part of the message (value, expectation, fix) are asserted, and the model's
   weights, config and the cache passed in are exactly as before (a failed step changes nothing);
-* unpatched: vanilla transformers' outcome is recorded and must be one of the unhelpful outcomes listed for the case
-  (an ``IndexError`` / shape ``RuntimeError`` deep in the model, or ``"silent"``: it runs on garbage), which proves
-  neofix is what changes it.  Vanilla runs in float32: transformers 4.36 - 4.44 cannot run GPT-Neo in float64 at all.
+* unpatched: vanilla transformers' outcome must be exactly the one tests/_vanilla.py records for the case on the
+  installed release (an exception class and message fragment, "silently wrong tokens" or "silently accepted"),
+  which proves neofix is what changes it.  Vanilla runs in float32: transformers 4.36 - 4.44 cannot run GPT-Neo in
+  float64 at all.
+
+Errors found by a check are raised before any embedding lookup (on an accelerator a bad index is a device-side
+assert, not an ``IndexError`` neofix could translate); only the cases marked ``translated`` (single-token decode
+steps, whose values are not read by default) reach the embedding first.
 
 The value checks (``neofix.configure(check_values=...)``) are tested at the end, including that by default a
 single-token decode step adds no tensor -> Python conversion (no host-device synchronisation on an accelerator).
@@ -29,6 +34,7 @@ from neofix import _caches, _compat
 from neofix._families import gpt_neo
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 
+from ._vanilla import MEASURED, VANILLA, assert_vanilla, expected, nearest_measured, table_problems
 from ._versions import cache_keyword, has, legacy, output_cache, requires
 from .loops import left_padded_batch
 
@@ -114,19 +120,6 @@ def assert_same_model(before: Any, model: Any) -> None:
     assert model.training == training
 
 
-def outcome(call: Callable[[], Any]) -> str:
-    """``"silent"`` when ``call`` runs, else the exception's class name."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            call()
-    except Exception as exc:  # noqa: BLE001 - any failure is the vanilla behaviour we record
-        if isinstance(exc, neofix.NeofixError):
-            return f"NeofixError?! {exc}"
-        return type(exc).__name__
-    return "silent"
-
-
 class Forwards:
     """Counts ``GPTNeoModel`` forwards (a pre-hook runs before neofix's wrapper, so every call counts)."""
 
@@ -145,22 +138,45 @@ class Forwards:
         self.handle.remove()
 
 
+class Lookups:
+    """Counts lookups in the token and position embeddings: the first thing a forward computes."""
+
+    def __init__(self, model: Any) -> None:
+        self.count = 0
+        self.modules = [model.get_input_embeddings(), model.transformer.wpe]
+
+    def __enter__(self) -> "Lookups":
+        self.handles = [module.register_forward_pre_hook(self._hook) for module in self.modules]
+        return self
+
+    def _hook(self, *_: Any) -> None:
+        self.count += 1
+
+    def __exit__(self, *_: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 # -- the cases ---------------------------------------------------------------------------------------------------
 
 
 class Case(NamedTuple):
-    """``build(model) -> (call, cache the call is given)``; the call must raise ``error`` with every pattern."""
+    """``build(model) -> (call, cache the call is given)``; the call must raise ``error`` with every pattern.
+
+    What vanilla transformers does with the same call is in tests/_vanilla.py, under the case's name.
+    """
 
     build: Callable[[Any], tuple[Callable[[], Any], Any]]
     error: type
     patterns: tuple[str, ...]  # regexes, each must match the message: the value, what was expected, the fix
-    vanilla: frozenset  # what unpatched transformers does on some release: exception names, or "silent"
     mode: str = "repair"
     check_values: bool = False
+    translated: bool = False  # found by translating the embedding's IndexError (the lookup runs first)
+    well_formed: Callable[[Any], tuple[Callable[[], Any], Any]] | None = None  # the call as it should have been
 
 
-def case(build, error, patterns, vanilla, **settings) -> Case:
-    return Case(build, error, tuple(patterns), frozenset(vanilla), **settings)
+def case(build, error, patterns, **settings) -> Case:
+    return Case(build, error, tuple(patterns), **settings)
 
 
 def _resolve(kwargs: dict, model: Any) -> dict:
@@ -192,8 +208,6 @@ def float_mask(*shape: int) -> Callable:
     return lambda m: torch.zeros(*shape, dtype=m.dtype)
 
 
-INDEX = {"IndexError"}
-SHAPE = {"RuntimeError"}
 TOKEN_ID = (r"vocab_size is 96", r"must lie in \[0, 95\]")
 TOKENIZER = r"tokenizer belongs to this model"
 FIX_MASK = r"append a column of ones per new token"
@@ -204,94 +218,82 @@ CASES = {
         prefill(input_ids=torch.tensor([[1, 2, 96]]), attention_mask=ones(1, 3)),
         neofix.TokenIdError,
         [r"input_ids\[0, 2\] is 96", *TOKEN_ID, TOKENIZER],
-        INDEX,
     ),
     "id < 0, prefill without mask": case(
         prefill(input_ids=torch.tensor([[1, -1, 3]])),
         neofix.TokenIdError,
         [r"input_ids\[0, 1\] is -1", *TOKEN_ID, TOKENIZER],
-        INDEX,
     ),
     "id >= vocab, chunked prefill": case(
         step(input_ids=torch.tensor([[1, 2, 3], [4, 500, 6]]), attention_mask=ones(2, 8)),
         neofix.TokenIdError,
         [r"input_ids\[1, 1\] is 500", *TOKEN_ID, TOKENIZER],
-        INDEX,
     ),
     "id >= vocab, decode step (translated IndexError)": case(
         step(input_ids=torch.tensor([[1], [96]]), attention_mask=ones(2, 6)),
         neofix.TokenIdError,
         [r"input_ids\[1, 0\] is 96", *TOKEN_ID, TOKENIZER],
-        INDEX,
+        translated=True,
     ),
     "id < 0, decode step, Cache object": case(
         step(object_cache, input_ids=torch.tensor([[-7], [3]]), attention_mask=ones(2, 6)),
         neofix.TokenIdError,
         [r"input_ids\[0, 0\] is -7", *TOKEN_ID, TOKENIZER],
-        INDEX,
+        translated=True,
     ),
-    "id >= vocab, decode step, check_values=True": case(
-        step(object_cache, input_ids=torch.tensor([[1], [99]]), attention_mask=ones(2, 6)),
+    "id = vocab, decode step, check_values=True": case(
+        step(object_cache, input_ids=torch.tensor([[1], [96]]), attention_mask=ones(2, 6)),
         neofix.TokenIdError,
-        [r"input_ids\[1, 0\] is 99", *TOKEN_ID, TOKENIZER],
-        INDEX,
+        [r"input_ids\[1, 0\] is 96", *TOKEN_ID, TOKENIZER],
         check_values=True,
     ),
     "token_type_ids >= vocab": case(
         prefill(input_ids=ones(1, 3), token_type_ids=torch.tensor([[0, 0, 96]])),
         neofix.TokenIdError,
         [r"token_type_ids\[0, 2\] is 96", *TOKEN_ID, r"embeds token types with the token embedding"],
-        INDEX,
     ),
     "id >= vocab, generate": case(
         lambda m: (lambda: m.generate(torch.tensor([[5, 96, 7]]), max_new_tokens=3, pad_token_id=0), None),
         neofix.TokenIdError,
         [r"input_ids\[0, 1\] is 96", *TOKEN_ID, TOKENIZER],
-        INDEX,
     ),
     # position ids outside the position table
     "position >= max_position_embeddings, prefill": case(
         prefill(input_ids=ones(1, 3), position_ids=torch.tensor([[0, 1, 64]])),
         neofix.PositionError,
         [r"position_ids\[0, 2\] is 64", r"max_position_embeddings is 64", r"\[0, 63\]", r"pass none"],
-        INDEX,
     ),
     "position < 0, decode step (translated IndexError)": case(
         step(input_ids=ones(2, 1), attention_mask=ones(2, 6), position_ids=torch.tensor([[5], [-1]])),
         neofix.PositionError,
         [r"position_ids\[1, 0\] is -1", r"max_position_embeddings is 64", r"\[0, 63\]", r"pass none"],
-        INDEX,
+        translated=True,
     ),
     # batch mismatches
     "mask batch 3 != input batch 2, prefill": case(
         prefill(input_ids=ones(2, 5), attention_mask=ones(3, 5)),
         neofix.BatchMismatchError,
         [r"attention_mask has 3 rows", r"this step feeds 2", r"pass one mask row per input row"],
-        SHAPE | {"silent"},  # a view RuntimeError up to 5.0; from 5.10 on it silently uses the first rows
     ),
     "mask batch 1 != input batch 2, decode step": case(
         step(input_ids=ones(2, 1), attention_mask=ones(1, 6)),
         neofix.BatchMismatchError,
         [r"attention_mask has 1 row,", r"this step feeds 2", r"pass one mask row per input row"],
-        SHAPE | INDEX | {"silent"},  # RuntimeError 4.26 - 4.30, broadcast silently 4.36 - 5.0, IndexError 5.10 on
     ),
     "4D mask batch 3 != input batch 2": case(
         step(input_ids=ones(2, 1), attention_mask=float_mask(3, 1, 1, 6)),
         neofix.BatchMismatchError,
         [r"4D attention_mask has 3 rows", r"this step feeds 2", r"one mask row per input row"],
-        SHAPE | {"ValueError"},  # transformers' own ValueError on 4.36 - 4.40, a RuntimeError elsewhere
     ),
     "position_ids batch 3 != input batch 2": case(
         prefill(input_ids=ones(2, 5), attention_mask=ones(2, 5), position_ids=torch.arange(5).repeat(3, 1)),
         neofix.BatchMismatchError,
         [r"position_ids has 3 rows", r"this step feeds 2", r"pass one row per input row"],
-        SHAPE,
     ),
     "cache batch 3 != input batch 2": case(
         step(lambda m: cached(m, batch=3), input_ids=ones(2, 1), attention_mask=ones(2, 6)),
         neofix.BatchMismatchError,
         [r"the cache holds 3 rows", r"this step feeds 2", r"select the cache with the inputs"],
-        SHAPE,
     ),
     # masks longer than cache + input (ambiguous), wrong 3D / 4D masks
     "mask longer than cache + input, decode step": case(
@@ -302,19 +304,16 @@ CASES = {
             r"the cache holds 5 tokens and this step feeds 1: expected 6",
             r"pass the mask of exactly the cached plus the new tokens",
         ],
-        SHAPE | {"silent"},  # RuntimeError up to 4.40, silently accepted from 4.45 on
     ),
     "mask longer than input, prefill": case(
         prefill(input_ids=ones(2, 5), attention_mask=ones(2, 7)),
         neofix.MaskLengthError,
         [r"attention_mask has 7 columns", r"holds 0 tokens and this step feeds 5: expected 5", r"pass the mask of"],
-        SHAPE | {"silent"},
     ),
     "prompt mask kept during chunked prefill": case(
         step(lambda m: cached(m, length=4), input_ids=ones(2, 2), attention_mask=ones(2, 9)),
         neofix.MaskLengthError,
         [r"attention_mask has 9 columns", r"holds 4 tokens and this step feeds 2: expected 6", r"pass the mask of"],
-        SHAPE | {"silent"},
     ),
     "4D mask with the wrong key length": case(
         step(input_ids=ones(2, 1), attention_mask=float_mask(2, 1, 1, 7)),
@@ -324,103 +323,88 @@ CASES = {
             r"this step needs \(\.\.\., 1, 6\)",
             r"pass the 2D \(batch, cached \+ new tokens\) padding mask",
         ],
-        SHAPE | {"ValueError", "silent"},  # silently accepted 4.45 - 5.0
     ),
     "3D mask with the wrong key length": case(
         step(input_ids=ones(2, 1), attention_mask=ones(2, 1, 4)),
         neofix.MaskLengthError,
         [r"3D attention_mask has shape \(2, 1, 4\)", r"this step needs \(\.\.\., 1, 6\)", r"pass the 2D"],
-        SHAPE | INDEX | {"ValueError", "silent"},  # silently accepted on 4.40
     ),
     "4D mask with the wrong query length": case(
         prefill(input_ids=ones(2, 5), attention_mask=float_mask(2, 1, 4, 5)),
         neofix.MaskLengthError,
         [r"4D attention_mask has shape \(2, 1, 4, 5\)", r"this step needs \(\.\.\., 5, 5\)", r"one row per new token"],
-        SHAPE | {"ValueError"},
     ),
     # cache layers of different lengths: named, and raised before any layer appends to the cache
     "cache layer 2 shorter, legacy tuples": case(
         step(lambda m: cropped(m, 2, "legacy"), input_ids=ones(2, 1), attention_mask=ones(2, 6)),
         neofix.CacheLengthError,
         [r"cache layer 2 holds 4 tokens", r"layer 0 holds 5", r"Crop every layer to the same length"],
-        SHAPE | {"silent", "AttributeError"},  # silent 4.45 - 4.53; 4.57 on reject the tuples (AttributeError)
     ),
     "cache layer 3 shorter, Cache object": case(
         step(lambda m: cropped(m, 3, "object"), input_ids=ones(2, 1), attention_mask=ones(2, 6)),
         neofix.CacheLengthError,
         [r"cache layer 3 holds 4 tokens", r"layer 0 holds 5", r"rebuild the cache"],
-        SHAPE | {"silent"},  # silently runs on 4.45 - 5.0
     ),
     "cache layer 0 shorter": case(
         step(lambda m: cropped(m, 0, "native"), input_ids=ones(2, 1), attention_mask=ones(2, 5)),
         neofix.CacheLengthError,
         [r"cache layer 1 holds 5 tokens", r"layer 0 holds 4", r"Crop every layer"],
-        SHAPE,
     ),
     "cache with fewer layers than the model": case(
         step(lambda m: legacy(cached(m))[:3], input_ids=ones(2, 1), attention_mask=ones(2, 6)),
         neofix.CacheLengthError,
         [r"cache layer 3 holds 0 tokens", r"layer 0 holds 5", r"rebuild the cache"],
-        {"silent", "AttributeError"},  # 4.26 - 4.53 silently run layer 3 without its cache; 4.57 on reject tuples
     ),
     # empty steps, wrong embedding widths
     "empty step with a cache": case(
         step(input_ids=ones(2, 0), attention_mask=ones(2, 5)),
         neofix.InputShapeError,
         [r"feeds no new tokens \(input_ids has 0 columns, batch 2\)", r"needs at least one token", r"stop the loop"],
-        SHAPE,
     ),
     "empty prefill": case(
         prefill(input_ids=ones(1, 0)),
         neofix.InputShapeError,
         [r"feeds no new tokens", r"at least one token", r"stop the loop"],
-        SHAPE | INDEX,
     ),
     "inputs_embeds of the wrong width": case(
         prefill(inputs_embeds=lambda m: torch.zeros(2, 5, 31, dtype=m.dtype), attention_mask=ones(2, 5)),
         neofix.InputShapeError,
         [r"inputs_embeds has shape \(2, 5, 31\)", r"expects \(batch, new_tokens, 32\)", r"get_input_embeddings\(\)"],
-        SHAPE,
     ),
     # sequences past max_position_embeddings
     "prefill longer than max_position_embeddings": case(
         prefill(input_ids=ones(1, 65)),
         neofix.SequenceTooLongError,
         [r"would reach sequence length 65", r"is 64: 64 more new tokens fit", r"shorten the prompt"],
-        INDEX,
     ),
     "decode step past max_position_embeddings": case(
         step(lambda m: cached(m, 1, 64), input_ids=ones(1, 1), attention_mask=ones(1, 65)),
         neofix.SequenceTooLongError,
         [r"length 65 \(the cache holds 64 tokens and the step feeds 1\)", r"is 64: 0 more", r"generate fewer tokens"],
-        INDEX,
     ),
     "chunk crossing max_position_embeddings": case(
         step(lambda m: cached(m, 1, 61), input_ids=ones(1, 5), attention_mask=ones(1, 66)),
         neofix.SequenceTooLongError,
         [r"sequence length 66", r"is 64: 3 more new tokens fit", r"shorten the prompt"],
-        INDEX,
     ),
     # strict mode: every repair becomes an error
     "strict: mask not extended": case(
         step(input_ids=ones(2, 1), attention_mask=ones(2, 5)),
         neofix.MaskLengthError,
         [r"attention_mask has 5 columns", r"expected 6", FIX_MASK],
-        SHAPE | {"silent"},  # a RuntimeError up to 5.0; from 5.10 on silently different tokens
         mode="strict",
+        well_formed=step(input_ids=ones(2, 1), attention_mask=ones(2, 6)),
     ),
     "strict: full-length position_ids": case(
         step(input_ids=ones(2, 1), attention_mask=ones(2, 6), position_ids=torch.arange(6).repeat(2, 1)),
         neofix.PositionError,
         [r"position_ids has 6 columns", r"this step feeds 1 new token ", r"pass only the new tokens' positions"],
-        SHAPE,  # in repair mode neofix takes the last column (tested in test_loops)
-        mode="strict",
+        mode="strict",  # in repair mode neofix takes the last column (tested in test_loops)
     ),
     "strict: stale prompt position_ids": case(
         step(input_ids=ones(2, 1), attention_mask=ones(2, 6), position_ids=torch.arange(5).repeat(2, 1)),
         neofix.PositionError,
         [r"position_ids has 5 columns", r"the cache holds 5", r"pass only the new tokens' positions"],
-        SHAPE,
         mode="strict",
     ),
 }
@@ -445,13 +429,15 @@ def test_invalid_step_raises_a_clear_error(model, model32, name):
         warnings.simplefilter("ignore")  # transformers' own deprecation warnings (tuple caches on 4.45 - 4.53)
         call, cache = spec.build(model)
     before_model, before_cache = model_contents(model), cache_contents(cache)
-    with pytest.raises(spec.error) as raised, warnings.catch_warnings():
+    with Lookups(model) as lookups, pytest.raises(spec.error) as raised, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         call()
     message = str(raised.value)
     for pattern in spec.patterns:
         assert re.search(pattern, message), f"{pattern!r} not in: {message}"
     assert isinstance(raised.value, ValueError)
+    if not spec.translated:
+        assert lookups.count == 0, f"an embedding lookup ran before the {spec.error.__name__}: the check came too late"
     assert_same_model(before_model, model)
     assert_same_cache(before_cache, cache)
 
@@ -460,10 +446,42 @@ def test_invalid_step_raises_a_clear_error(model, model32, name):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             vanilla_call, _ = spec.build(model32)
-        vanilla = outcome(vanilla_call)
+            right = spec.well_formed(model32)[0] if spec.well_formed else None
+        assert_vanilla(name, vanilla_call, wrong=right and (lambda out: other_tokens(out, right())))
     finally:
         neofix.patch()
-    assert vanilla in spec.vanilla, f"vanilla transformers: {vanilla}; recorded: {sorted(spec.vanilla)}"
+
+
+def other_tokens(out: Any, well_formed: Any) -> bool:
+    """Whether a forward's output predicts other tokens than the well-formed call's."""
+    return not torch.equal(out.logits.argmax(-1), well_formed.logits.argmax(-1))
+
+
+def test_vanilla_table_covers_every_case_and_measured_release():
+    assert set(CASES) <= set(VANILLA), sorted(set(CASES) - set(VANILLA))
+    assert table_problems() == []
+
+
+@pytest.mark.parametrize(
+    "release, nearest",
+    [
+        ((4, 26), (4, 26)),
+        ((4, 20), (4, 26)),
+        ((4, 33), (4, 30)),  # a tie goes to the older release
+        ((4, 34), (4, 36)),
+        ((4, 55), (4, 53)),
+        ((4, 56), (4, 57)),
+        ((5, 5), (5, 0)),
+        ((5, 6), (5, 10)),
+        ((5, 40), (5, 24)),
+        ((6, 0), (5, 24)),
+    ],
+)
+def test_an_unmeasured_release_uses_the_nearest_measured_one(release, nearest):
+    assert nearest in MEASURED
+    assert nearest_measured(release) == nearest
+    name = "mask batch 1 != input batch 2, decode step"
+    assert expected(name, release) == expected(name, nearest)
 
 
 def test_cases_cover_every_error_class():
@@ -631,6 +649,46 @@ def test_frozen_positions_unchecked_by_default(model):
         warnings.simplefilter("error", neofix.NeofixWarning)
         got = frozen_loop(model, ids, mask, STEPS)
     assert not torch.equal(got, expected)  # wrong positions, wrong tokens: only check_values=True catches it
+
+
+@torch.no_grad()
+def chunked_forwards(model, ids, mask, positions, split):
+    """Logits of a prefill of ``ids[:, :split]`` (none when 0) and of the rest fed with its cache."""
+    logits, kwargs = [], {}
+    bounds = [0, split, ids.shape[1]] if split else [0, ids.shape[1]]
+    for a, b in zip(bounds, bounds[1:]):
+        out = model(
+            input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=positions[:, a:b], use_cache=True, **kwargs
+        )
+        kwargs = {cache_keyword(): output_cache(out)}
+        logits.append(out.logits)
+    return logits
+
+
+@pytest.mark.parametrize("split", [0, 2], ids=["prefill", "chunked"])
+@pytest.mark.parametrize("mode", ["repair", "strict"])
+def test_check_values_ignores_the_positions_of_pads(model32, mode, split):
+    """check_values compares the positions of real tokens only: what a pad carries (transformers' generate gives
+    pads position 1 up to 4.x; here 17) is neither reported nor repaired, so every column, pads included, computes
+    exactly what vanilla computes from the same positions."""
+    ids, mask = left_padded_batch([6, 3, 5])
+    positions = reference_positions(mask).masked_fill(mask == 0, 17)
+    neofix.configure(mode=mode, check_values=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", neofix.NeofixWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' own (tuple caches, 4.45 - 4.53)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        patched = chunked_forwards(model32, ids, mask, positions, split)
+    neofix.unpatch()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plain = chunked_forwards(model32, ids, mask, positions, split)
+    finally:
+        neofix.patch()
+    assert len(patched) == len(plain) == (2 if split else 1)
+    for got, want in zip(patched, plain):
+        assert torch.equal(got, want)
 
 
 def test_check_values_leaves_well_formed_generate_alone(model):

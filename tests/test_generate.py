@@ -1,4 +1,9 @@
-"""Patched ``generate`` on well-formed input is token-identical to vanilla, and (greedy) to the reference."""
+"""Patched ``generate`` on well-formed input is token-identical to vanilla and to a reference without a cache.
+
+The reference: for greedy decoding, :func:`neofix.testing.reference_greedy` (full recompute); for beam search and
+seeded sampling, transformers' own ``generate`` unpatched with ``use_cache=False`` (every step recomputes the whole
+sequence; sampling draws the same random numbers per step with or without a cache).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch
 import neofix
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 
+from ._vanilla import assert_vanilla
 from ._versions import cache_keyword, has, output_cache, requires
 from .loops import left_padded_batch
 
@@ -34,6 +40,15 @@ def generate(model, ids, mask, **kwargs):
     kwargs.setdefault("pad_token_id", model.config.pad_token_id)
     with torch.no_grad():
         return model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+
+
+def without_cache(model, ids, mask, **kwargs):
+    """Vanilla transformers' ``generate`` with ``use_cache=False``: the reference for beam search and sampling."""
+    neofix.unpatch()
+    try:
+        return generate(model, ids, mask, use_cache=False, **kwargs)
+    finally:
+        neofix.patch()
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +94,7 @@ def test_beam_search(model, batch, num_beams):
     ids, mask = batch
     patched, plain = both(lambda: generate(model, ids, mask, num_beams=num_beams, do_sample=False))
     assert torch.equal(patched, plain)
+    assert torch.equal(patched, without_cache(model, ids, mask, num_beams=num_beams, do_sample=False))
 
 
 def test_beam_search_returns_several_sequences(model, batch):
@@ -88,17 +104,27 @@ def test_beam_search_returns_several_sequences(model, batch):
     )
     assert patched.shape[0] == 2 * ids.shape[0]
     assert torch.equal(patched, plain)
+    reference = without_cache(model, ids, mask, num_beams=3, num_return_sequences=2, do_sample=False)
+    assert torch.equal(patched, reference)
 
 
 def test_sampling_with_seed(model, batch):
+    """A temperature high enough that the sharpened model samples other tokens than greedy decoding picks."""
     ids, mask = batch
 
-    def run():
+    def run(**kwargs):
         torch.manual_seed(1234)
-        return generate(model, ids, mask, do_sample=True, top_k=20, temperature=1.5)
+        return generate(model, ids, mask, do_sample=True, top_k=20, temperature=30.0, **kwargs)
 
     patched, plain = both(run)
     assert torch.equal(patched, plain)
+    neofix.unpatch()
+    try:
+        reference = run(use_cache=False)  # the same seed: every step draws the same random numbers
+    finally:
+        neofix.patch()
+    assert torch.equal(patched, reference)
+    assert not torch.equal(patched, generate(model, ids, mask, do_sample=False))  # it sampled: not the greedy tokens
 
 
 @requires("assisted decoding")
@@ -133,7 +159,7 @@ def test_continue_from_a_returned_cache(model, batch, uncached):
     """generate(full sequence, cache of a prefix): the same tokens as generating from scratch.
 
     With one uncached token every release is right; with several, transformers up to 4.35 feeds only the last one
-    and silently drops the others, which neofix repairs.
+    (a shape RuntimeError there), which neofix repairs.
     """
     ids, mask = batch
     prefix = ids.shape[1] - uncached
@@ -149,15 +175,10 @@ def test_continue_from_a_returned_cache(model, batch, uncached):
     assert torch.equal(patched, expected)
     neofix.unpatch()
     try:
-        plain = run()
-    except RuntimeError:  # 4.26 - 4.35: the mask no longer matches the one token fed
-        plain = None
+        name = f"generate continuing a cache, {uncached} uncached token{'s' if uncached > 1 else ''}"
+        assert_vanilla(name, run, wrong=lambda plain: not torch.equal(plain, expected))
     finally:
         neofix.patch()
-    if uncached == 1 or has("generate slices uncached tokens"):
-        assert torch.equal(plain, expected)
-    else:  # releases before 4.36: prepare_inputs fed the last token only
-        assert plain is None or not torch.equal(plain, expected)
 
 
 @requires("Cache objects")

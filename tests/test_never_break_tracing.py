@@ -21,7 +21,16 @@ import neofix  # noqa: F401 - the patch under test
 from neofix.testing import reference_positions, tiny_gpt_neo
 
 from ._versions import requires
-from .test_never_break import assert_adds_nothing, assert_identical, assert_same, both, capture, fresh, token_ids
+from .test_never_break import (
+    assert_adds_nothing,
+    assert_identical,
+    assert_ran,
+    assert_same,
+    both,
+    capture,
+    fresh,
+    token_ids,
+)
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +327,7 @@ def test_onnx_export_dynamo_exporter(lm):
         return program.model_proto.SerializeToString()
 
     patched, plain = both(run)
+    assert_ran(patched, plain)
     assert without_provenance(patched.result) == without_provenance(plain.result)  # the same graph, byte for byte
     assert_adds_nothing(patched, plain)
     torch.testing.assert_close(run_onnx(patched.result, *CHECK_INPUTS), eager(module), rtol=1e-4, atol=1e-4)

@@ -62,6 +62,9 @@ UNPACK = Raises(ValueError, "too many values to unpack (expected 2)")  # 4.36's 
 TUPLE_CACHE = Raises(AttributeError, "'tuple' object has no attribute 'get_seq_length'")  # 4.57 on: tuples rejected
 RESHAPE_EMPTY_4 = Raises(RuntimeError, "cannot reshape tensor of 0 elements into shape [-1, 0] because")
 RESHAPE_EMPTY_5 = Raises(RuntimeError, "cannot reshape tensor of 0 elements into shape [-1, 0, 32] because")
+INDICES_NOT_INTEGER = Raises(
+    RuntimeError, "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int"
+)
 
 #: case -> {range of measured releases: outcome}.  Case names are those of tests/test_errors.py's CASES, plus the
 #: hand-written loops named below.
@@ -76,7 +79,7 @@ VANILLA: dict[str, dict[str, Outcome]] = {
     "token_type_ids >= vocab": {ALL: OUT_OF_RANGE},
     "id >= vocab, generate": {ALL: OUT_OF_RANGE},
     "position >= max_position_embeddings, prefill": {ALL: OUT_OF_RANGE},
-    "position < 0, decode step (translated IndexError)": {ALL: OUT_OF_RANGE},
+    "position < 0 of a masked token, decode step (translated IndexError)": {ALL: OUT_OF_RANGE},
     # batch mismatches
     "mask batch 3 != input batch 2, prefill": {
         "4.26-4.30": Raises(RuntimeError, "shape '[2, -1]' is invalid for input of size 15"),
@@ -155,6 +158,36 @@ VANILLA: dict[str, dict[str, Outcome]] = {
     "strict: mask not extended": {"4.26-5.0": size(6, 5, 3), "5.10-5.24": WRONG},
     "strict: full-length position_ids": {"4.26-4.30": size(2, 12, 0), "4.36-5.24": size(11, 6, 3)},
     "strict: stale prompt position_ids": {"4.26-4.30": size(2, 10, 0), "4.36-5.24": size(10, 6, 3)},
+    "strict: a decode step's position disagrees with the mask": {ALL: WRONG},
+    "strict: arange positions over a left-padded prefill": {ALL: WRONG},
+    "strict: decoding from a right-padded prompt": {ALL: ACCEPTED},
+    # values of the wrong kind, masks that do not say which tokens are real, caches of other models
+    "float position_ids": {ALL: INDICES_NOT_INTEGER},
+    "float input_ids": {ALL: INDICES_NOT_INTEGER},
+    # 4.45 on read the mask as "nonzero = real" (right for 2, inverted for an additive mask); before, 2 is garbage
+    "mask values other than 0 and 1": {"4.26-4.40": WRONG, "4.45-5.24": CORRECT},
+    "additive mask (0 and -inf) passed as the padding mask": {ALL: ACCEPTED},
+    "the chunk's own mask after a cache": {
+        "4.26-4.30": size(6, 2, 3),
+        "4.36-4.40": size(2, 6, 3),
+        "4.45-5.0": size(6, 2, 3),
+        "5.10-5.24": ACCEPTED,
+    },
+    "mask covering some of the new tokens": {
+        "4.26-4.30": size(7, 5, 3),
+        "4.36-4.40": size(5, 7, 3),
+        "4.45-5.0": size(7, 5, 3),
+        "5.10-5.24": ACCEPTED,
+    },
+    "cache of a model with other heads": {
+        ALL: Raises(RuntimeError, "Sizes of tensors must match except in dimension 2. Expected size 2 but got size 4")
+    },
+    "generate with a prompt of 0 tokens": {
+        "4.26-4.40": Raises(IndexError, "index -1 is out of bounds for dimension 1 with size 0"),
+        "4.45": RESHAPE_EMPTY_5,
+        "4.48-5.0": Raises(IndexError, "index -1 is out of bounds for dimension 0 with size 0"),
+        "5.10-5.24": RESHAPE_EMPTY_5,
+    },
     # hand-written loops (tests/test_state.py): left-padded [6, 3, 5], the prompt's mask passed at every step
     "loop keeping the prompt mask": {"4.26-5.0": size(7, 6, 3), "5.10-5.24": WRONG},
     # generate(full sequence, cache of a prefix) (tests/test_generate.py): up to 4.35 only the last token is fed

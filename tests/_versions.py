@@ -147,8 +147,24 @@ FEATURES.update(
     }
 )
 
+def _static_caches() -> bool:
+    try:
+        from transformers.cache_utils import StaticCache  # noqa: F401
+        from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoPreTrainedModel
+    except ImportError:
+        return False
+    # up to 4.53 GPT-Neo says it does not support them (generate refuses); from 4.54 nothing stops them
+    return getattr(GPTNeoPreTrainedModel, "_supports_static_cache", True) is not False and TF_RELEASE >= (4, 54)
+
+
+FEATURES["static caches"] = (
+    (0, 0),
+    "generate(cache_implementation='static') works for GPT-Neo from transformers 4.54 (before, it is refused)",
+)
+
 #: feature -> how to tell whether the installed packages have it (consulted first by :func:`has`)
 PROBES = {
+    "static caches": _static_caches,
     "transformers fx tracer": _hf_fx_traces_gpt_neo,
     "GPTNeoForQuestionAnswering": lambda: hasattr(transformers, "GPTNeoForQuestionAnswering"),
     "GPTNeoForTokenClassification": lambda: hasattr(transformers, "GPTNeoForTokenClassification"),

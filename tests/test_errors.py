@@ -29,6 +29,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+inf = float("inf")
+
 import neofix
 from neofix import _caches, _compat
 from neofix._families import gpt_neo
@@ -263,11 +265,26 @@ CASES = {
         neofix.PositionError,
         [r"position_ids\[0, 2\] is 64", r"max_position_embeddings is 64", r"\[0, 63\]", r"pass none"],
     ),
-    "position < 0, decode step (translated IndexError)": case(
-        step(input_ids=ones(2, 1), attention_mask=ones(2, 6), position_ids=torch.tensor([[5], [-1]])),
+    "position < 0 of a masked token, decode step (translated IndexError)": case(
+        # a real token's position is compared with the mask's (and repaired); a masked token keeps what it is given
+        step(
+            input_ids=ones(2, 1),
+            attention_mask=torch.tensor([[1] * 6, [1] * 5 + [0]]),
+            position_ids=torch.tensor([[5], [-1]]),
+        ),
         neofix.PositionError,
         [r"position_ids\[1, 0\] is -1", r"max_position_embeddings is 64", r"\[0, 63\]", r"pass none"],
         translated=True,
+    ),
+    "float position_ids": case(
+        prefill(input_ids=ones(2, 5), attention_mask=ones(2, 5), position_ids=torch.arange(5.0).repeat(2, 1)),
+        neofix.PositionError,
+        [r"position_ids has dtype torch.float32", r"positions are integers", r"pass torch.long positions"],
+    ),
+    "float input_ids": case(
+        prefill(input_ids=ones(2, 5).float(), attention_mask=ones(2, 5)),
+        neofix.TokenIdError,
+        [r"input_ids has dtype torch.float32", r"token ids are integers", r"tokenizer's input_ids"],
     ),
     # batch mismatches
     "mask batch 3 != input batch 2, prefill": case(
@@ -320,19 +337,52 @@ CASES = {
         neofix.MaskLengthError,
         [
             r"4D attention_mask has shape \(2, 1, 1, 7\)",
-            r"this step needs \(\.\.\., 1, 6\)",
+            r"this step needs 1 row \(one per new token\) and 6: one column per cached plus new token",
             r"pass the 2D \(batch, cached \+ new tokens\) padding mask",
         ],
     ),
     "3D mask with the wrong key length": case(
         step(input_ids=ones(2, 1), attention_mask=ones(2, 1, 4)),
         neofix.MaskLengthError,
-        [r"3D attention_mask has shape \(2, 1, 4\)", r"this step needs \(\.\.\., 1, 6\)", r"pass the 2D"],
+        [r"3D attention_mask has shape \(2, 1, 4\)", r"needs 1 row \(one per new token\) and 6: one column", r"pass the 2D"],
     ),
     "4D mask with the wrong query length": case(
         prefill(input_ids=ones(2, 5), attention_mask=float_mask(2, 1, 4, 5)),
         neofix.MaskLengthError,
-        [r"4D attention_mask has shape \(2, 1, 4, 5\)", r"this step needs \(\.\.\., 5, 5\)", r"one row per new token"],
+        [r"4D attention_mask has shape \(2, 1, 4, 5\)", r"this step needs 5 rows \(one per new token\) and 5"],
+    ),
+    # masks that do not say which tokens are real
+    "mask values other than 0 and 1": case(
+        prefill(input_ids=ones(2, 5), attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 0, 2, 1, 1]])),
+        neofix.MaskValueError,
+        [r"attention_mask\[1, 2\] is 2", r"holds 1 for a real token and 0 for padding", r"tokenizer's attention_mask"],
+        well_formed=prefill(input_ids=ones(2, 5), attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])),
+    ),
+    "additive mask (0 and -inf) passed as the padding mask": case(
+        prefill(input_ids=ones(2, 5), attention_mask=lambda m: torch.tensor([[0.0] * 5, [-inf, -inf, 0.0, 0.0, 0.0]],
+                                                                            dtype=m.dtype)),
+        neofix.MaskValueError,
+        [r"attention_mask\[1, 0\] is -inf", r"additive mask", r"\(additive_mask == 0\)"],
+    ),
+    "the chunk's own mask after a cache": case(
+        step(lambda m: cached(m, length=4), input_ids=ones(2, 2), attention_mask=ones(2, 2)),
+        neofix.MaskLengthError,
+        [
+            r"attention_mask has 2 columns, but the cache holds 4 tokens and this step feeds 2: expected 6",
+            r"as wide as this step's 2 new tokens, it may be their mask alone",
+            r"torch.cat\(\[mask_so_far, new_mask\], -1\)",
+        ],
+    ),
+    "mask covering some of the new tokens": case(
+        step(lambda m: cached(m, length=4), input_ids=ones(2, 3), attention_mask=ones(2, 5)),
+        neofix.MaskLengthError,
+        [r"expected 7", r"covers the 4 cached tokens and only some of the 3 new tokens", r"exactly the cached plus"],
+    ),
+    # a cache another model built
+    "cache of a model with other heads": case(
+        step(lambda m: cached(tiny_gpt_neo(dtype=m.dtype, num_heads=2)), input_ids=ones(2, 1), attention_mask=ones(2, 6)),
+        neofix.InputShapeError,
+        [r"keys of 2 heads of width 16", r"this model has 4 heads of width 8", r"built by another model"],
     ),
     # cache layers of different lengths: named, and raised before any layer appends to the cache
     "cache layer 2 shorter, legacy tuples": case(
@@ -407,7 +457,56 @@ CASES = {
         [r"position_ids has 5 columns", r"the cache holds 5", r"pass only the new tokens' positions"],
         mode="strict",
     ),
+    "strict: a decode step's position disagrees with the mask": case(
+        step(input_ids=ones(2, 1), attention_mask=ones(2, 6), position_ids=torch.tensor([[5], [4]])),
+        neofix.PositionError,
+        [
+            r"position_ids\[1, 0\] is 4 at the step after 5 cached tokens",
+            r"the attention mask puts that real token of row 1 at position 5",
+            r"advance by one per real token",
+        ],
+        mode="strict",  # repaired on the device in repair mode (tests/test_position_values.py)
+        well_formed=step(input_ids=ones(2, 1), attention_mask=ones(2, 6), position_ids=torch.tensor([[5], [5]])),
+    ),
+    "strict: arange positions over a left-padded prefill": case(
+        prefill(
+            input_ids=ones(2, 5),
+            attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]),
+            position_ids=torch.arange(5)[None],
+        ),
+        neofix.PositionError,
+        [r"position_ids count the left padding of row 1", r"is at position 2, but the attention mask puts it at 0"],
+        mode="strict",
+        well_formed=prefill(
+            input_ids=ones(2, 5),
+            attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]),
+            position_ids=torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]),
+        ),
+    ),
+    "strict: decoding from a right-padded prompt": case(
+        lambda m: (forward(m, right_padded_cache(m), input_ids=ones(2, 1), attention_mask=right_padded_mask(6)), None),
+        neofix.MaskValueError,
+        [r"right padding in row 1", r"predicted from a pad", r"pad prompts on the left"],
+        mode="strict",
+    ),
+    "generate with a prompt of 0 tokens": case(
+        lambda m: (lambda: m.generate(ones(1, 0), max_new_tokens=3, pad_token_id=0), None),
+        neofix.InputShapeError,
+        [r"prompt of 0 tokens", r"needs at least one token", r"bos_token_id"],
+    ),
 }
+
+
+def right_padded_mask(width: int) -> torch.Tensor:
+    mask = ones(2, width)
+    mask[1, 3:5] = 0  # row 1: 3 real tokens, then the prompt's right padding (2 columns), then the new tokens
+    return mask
+
+
+@torch.no_grad()
+def right_padded_cache(model: Any) -> Any:
+    """The cache of a right-padded prompt, as the model returned it (patched: neofix marks it)."""
+    return output_cache(model(input_ids=ones(2, 5), attention_mask=right_padded_mask(5), use_cache=True))
 
 
 @torch.no_grad()
@@ -485,13 +584,15 @@ def test_an_unmeasured_release_uses_the_nearest_measured_one(release, nearest):
 
 
 def test_cases_cover_every_error_class():
-    """The table covers each error class neofix defines."""
+    """The table covers each error class neofix defines (AttentionWindowError: tests/test_flash_window.py and the
+    static-cache tests of tests/test_generate_limits.py, which need a GPU or a release with static caches)."""
     classes = {spec.error for spec in CASES.values()}
     assert classes == {
         neofix.TokenIdError,
         neofix.PositionError,
         neofix.BatchMismatchError,
         neofix.MaskLengthError,
+        neofix.MaskValueError,
         neofix.CacheLengthError,
         neofix.InputShapeError,
         neofix.SequenceTooLongError,
@@ -536,45 +637,6 @@ def short():
     return tiny_gpt_neo(seed=3, dtype=torch.float32, max_position_embeddings=16)
 
 
-@pytest.mark.parametrize(
-    "kwargs, patterns",
-    [
-        (
-            dict(max_new_tokens=12),
-            [r"run to 18 tokens \(a 6-token prompt plus max_new_tokens=12\), feeding the model 17", r"is 16",
-             r"at most max_new_tokens=11 fit after this 6-token prompt"],
-        ),
-        (dict(max_length=20), [r"run to 20 tokens \(max_length=20\)", r"is 16", r"at most max_new_tokens=11 fit"]),
-    ],
-    ids=["max_new_tokens", "max_length"],
-)
-def test_generate_too_long_fails_before_any_forward(short, kwargs, patterns):
-    ids, mask = left_padded_batch([6, 3], vocab=96)
-    before = model_contents(short)
-    with Forwards(short) as forwards, pytest.raises(neofix.SequenceTooLongError) as raised:
-        short.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kwargs)
-    assert forwards.count == 0, "a forward ran before the length was refused"
-    for pattern in patterns:
-        assert re.search(pattern, str(raised.value)), str(raised.value)
-    assert_same_model(before, short)
-
-    # vanilla computes until the position table runs out, then fails with an IndexError (EOS held off)
-    neofix.unpatch()
-    try:
-        with Forwards(short) as forwards, pytest.raises(IndexError):
-            short.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, min_new_tokens=10, **kwargs)
-    finally:
-        neofix.patch()
-    assert forwards.count > 1
-
-
-def test_generate_prompt_longer_than_the_model(short):
-    with Forwards(short) as forwards, pytest.raises(neofix.SequenceTooLongError) as raised:
-        short.generate(ones(1, 17), max_new_tokens=1, do_sample=False, pad_token_id=0)
-    assert forwards.count == 0
-    assert re.search(r"the 17-token prompt alone is longer than that; shorten it", str(raised.value))
-
-
 @pytest.mark.parametrize("length", [6, 16])
 def test_generate_that_fits_exactly_runs(short, length):
     """The last generated token is never fed back: a prompt of ``n`` tokens may ask for ``P - n + 1`` new ones."""
@@ -598,7 +660,7 @@ def frozen_loop(model, ids, mask, steps):
     """A loop that feeds the same position every decode step (the prompt's last one): right length, wrong values."""
     keyword = cache_keyword()
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask), use_cache=True)
         last = reference_positions(mask)[:, -1:]
         tokens = [out.logits[:, -1:].argmax(-1)]
         for _ in range(steps - 1):
@@ -614,10 +676,13 @@ def frozen_loop(model, ids, mask, steps):
 STEPS = 6
 
 
-def test_frozen_positions_repaired_with_check_values(model):
+@pytest.mark.parametrize("check_values", [False, True])
+def test_frozen_positions_are_repaired(model, check_values):
+    """The right shape, the wrong values: compared with the mask's on every cached step and repaired (on the device by
+    default, after the step's one read with check_values), reported once, naming the row, the step and the value."""
     ids, mask = left_padded_batch([5, 3])
     expected = reference_greedy(model, ids, mask, STEPS)[:, ids.shape[1]:]
-    neofix.configure(check_values=True)
+    neofix.configure(check_values=check_values)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = frozen_loop(model, ids, mask, STEPS)
@@ -625,30 +690,31 @@ def test_frozen_positions_repaired_with_check_values(model):
     repairs = [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
     assert len(repairs) == 1, repairs  # reported once, not once per step
     assert re.search(
-        r"position_ids\[0, 0\] is 4, but the attention mask puts that real token at position 5",
+        r"position_ids\[0, 0\] is 4 at the step after 5 cached tokens, but the attention mask puts that real token of "
+        r"row 0 at position 5",
         repairs[0],
     )
-    assert "used the positions derived from the mask" in repairs[0]
+    assert "used the mask's positions" in repairs[0]
+    with neofix.unpatched():
+        assert not torch.equal(frozen_loop(model32_of(model), ids, mask, STEPS), expected)  # vanilla: wrong tokens
 
 
-def test_frozen_positions_strict_with_check_values(model):
+def model32_of(model):
+    return tiny_gpt_neo(seed=0, dtype=torch.float32) if has("float64 mask bug") else model
+
+
+@pytest.mark.parametrize("check_values", [False, True])
+def test_frozen_positions_strict(model, check_values):
+    """Strict mode raises at the first wrong step (it may read the device to do so)."""
     ids, mask = left_padded_batch([5, 3])
-    neofix.configure(mode="strict", check_values=True)
-    with pytest.raises(neofix.PositionError) as raised:
+    neofix.configure(mode="strict", check_values=check_values)
+    steps = Forwards(model)
+    with steps, pytest.raises(neofix.PositionError) as raised:
         frozen_loop(model, ids, mask, STEPS)
+    assert steps.count == 2  # the prefill, then the first decode step, which raises before its compute
     message = str(raised.value)
-    assert re.search(r"position_ids\[0, 0\] is 4, but the attention mask puts that real token at position 5", message)
+    assert re.search(r"position_ids\[0, 0\] is 4 at the step after 5 cached tokens", message)
     assert "positions must advance by one per real token" in message
-
-
-def test_frozen_positions_unchecked_by_default(model):
-    """Default: a decode step's position values are not read (that needs a sync), so the loop runs as given."""
-    ids, mask = left_padded_batch([5, 3])
-    expected = reference_greedy(model, ids, mask, STEPS)[:, ids.shape[1]:]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", neofix.NeofixWarning)
-        got = frozen_loop(model, ids, mask, STEPS)
-    assert not torch.equal(got, expected)  # wrong positions, wrong tokens: only check_values=True catches it
 
 
 @torch.no_grad()

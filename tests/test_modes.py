@@ -46,15 +46,20 @@ def test_strict_mode_accepts_well_formed_steps(model, strict):
     with warnings.catch_warnings():
         warnings.simplefilter("error", neofix.NeofixWarning)
         assert torch.equal(decode(model, ids, mask, 4, positions="correct"), reference(model, ids, mask, 4))
+    # no positions on a left-padded prompt: derived from the mask in strict mode too (no error), and said once
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert torch.equal(decode(model, ids, mask, 4, positions="none"), reference(model, ids, mask, 4))
+    said = [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
+    assert len(said) == 1 and "left-padded and no position_ids were given" in said[0]
 
 
 def test_each_repair_kind_is_reported_once(model):
     ids, mask = left_padded_batch([6, 4])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        decode(model, ids, mask, 4, mask_mode="stale")
-        decode(model, ids, mask, 4, mask_mode="stale")
+        decode(model, ids, mask, 4, mask_mode="stale", positions="correct")
+        decode(model, ids, mask, 4, mask_mode="stale", positions="correct")
         decode(model, ids, mask, 4, positions="stale")
         decode(model, ids, mask, 4, positions="stale")
     messages = [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
@@ -99,6 +104,6 @@ def test_repairs_raise_every_time_where_warnings_are_errors(model):
         warnings.simplefilter("error", neofix.NeofixWarning)
         for _ in range(2):
             with pytest.raises(neofix.NeofixWarning, match="extended it with ones"):
-                decode(model, ids, mask, 3, mask_mode="stale")
+                decode(model, ids, mask, 3, mask_mode="stale", positions="correct")
     with pytest.warns(neofix.NeofixWarning):  # and once warnings are shown again, it is still reported once
-        decode(model, ids, mask, 3, mask_mode="stale")
+        decode(model, ids, mask, 3, mask_mode="stale", positions="correct")

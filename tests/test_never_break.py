@@ -334,7 +334,11 @@ def test_sequence_classification_left_padding_without_positions_is_repaired():
 
     patched, plain = both(run)
     assert_ran(patched, plain)
-    assert_adds_nothing(patched, plain)
+    # the change is said, once: the first left-padded forward without a cache whose positions neofix derives
+    said = [message for kind, message in patched.warnings if kind == "NeofixWarning"]
+    assert len(said) == 1 and "row 1 of this forward is left-padded and no position_ids were given" in said[0], said
+    assert "neofix.configure(uncached_positions='transformers')" in said[0]
+    assert {w for w in patched.warnings if w[0] != "NeofixWarning"} <= plain.warnings
     with torch.no_grad():
         alone = torch.cat([model(input_ids=ids[row:row + 1, -n:]).logits for row, n in enumerate(lengths)])
     # a padded and an unpadded row differ by float32 rounding only
@@ -342,6 +346,26 @@ def test_sequence_classification_left_padding_without_positions_is_repaired():
     for row in (1, 2):  # the padded rows
         assert not torch.allclose(plain.result[row], alone[row], rtol=1e-2, atol=1e-2), "vanilla is right already?"
     assert torch.equal(patched.result[0], plain.result[0])  # the unpadded row: identical
+
+
+@pytest.mark.parametrize("head", ["GPTNeoForSequenceClassification", "GPTNeoForCausalLM"])
+def test_transformers_positions_on_request(head):
+    """``configure(uncached_positions="transformers")``: forwards without a cache keep transformers' own positions,
+    left padding included, bit for bit as unpatched (a model fine-tuned on them), and nothing is said."""
+    model = fresh(head, **({"num_labels": 3} if "Classification" in head else {}))
+    ids, mask = left_padded((10, 6, 8))
+    labels = ids.masked_fill(mask == 0, -100) if head == "GPTNeoForCausalLM" else torch.tensor([2, 1, 0])
+
+    def run():
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, labels=labels)
+
+    neofix.configure(uncached_positions="transformers")
+    patched, plain = both(run)
+    assert_identical(patched, plain)
+    neofix.configure(uncached_positions="mask")
+    derived = capture(run)
+    assert not torch.equal(derived.result.logits, plain.result.logits)  # the default changes them: the setting matters
 
 
 @requires("GPTNeoForQuestionAnswering")

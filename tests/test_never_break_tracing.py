@@ -1,11 +1,12 @@
 """The tracing and compilation paths, patched vs vanilla, on every release that has each.
 
-While a trace, compilation or export runs, neofix must stay out of the way: the patched model traces into exactly
-the graph vanilla transformers traces (same code, same graph breaks: none where vanilla has none), and the traced
-artifact computes what the eager model computes.  Inputs are unpadded: there the eager patched model computes
+While a trace or export runs (torch.jit, torch.fx, torch.export, ONNX), neofix stays out of the way: the patched model
+traces into exactly the graph vanilla transformers traces, and the traced artifact computes what the eager model
+computes.  Under torch.compile neofix's shape logic is traced into the graph (no value read, no graph break), so a
+compiled forward computes what the eager patched one does.  Inputs are unpadded: there the eager patched model computes
 exactly what vanilla does, so eager, traced-patched and traced-vanilla must all agree.  (On a left-padded batch
-without position_ids the eager patched model derives positions from the mask, a traced or compiled one does not:
-see README, "Tracing and compilation".)
+without position_ids the eager and compiled patched model derive positions from the mask, a traced or exported one
+does not: see README, "Tracing and compilation".)
 
 Models have two layers (one global, one local attention): every kind of layer, at half the tracing time.
 """
@@ -164,18 +165,20 @@ def test_traced_graph_with_position_ids_on_left_padding(lm):
 
 
 @WHICH
-def test_dynamo_captures_the_same_graphs(lm, which):
-    """torch._dynamo.explain: the same number of graphs and graph breaks (none), and the same graph code."""
+def test_dynamo_captures_one_graph_without_breaks(lm, which):
+    """torch._dynamo.explain: one graph and no graph break, as vanilla.  (The graph is not vanilla's: under
+    torch.compile neofix traces its shape logic into it, positions from the mask included: see
+    tests/test_position_values.py for compiled loops.)"""
     module = module_of(lm, which)
 
     def run():
         _reset_dynamo()
         explained = torch._dynamo.explain(module)(*TRACE_INPUTS)
-        return explained.graph_count, explained.graph_break_count, [graph.code for graph in explained.graphs]
+        return explained.graph_count, explained.graph_break_count
 
     patched, plain = both(run)
     assert_identical(patched, plain)
-    assert patched.result[:2] == (1, 0), f"graphs, graph breaks: {patched.result[:2]}"
+    assert patched.result == (1, 0), f"graphs, graph breaks: {patched.result}"
 
 
 @WHICH

@@ -244,8 +244,31 @@ def test_log_steps_without_logging_configured(model, logging_listener, monkeypat
     monkeypatch.setattr(_trace._LOGGER, "hasHandlers", lambda: False)
     decode(model, *left_padded_batch([5]), 1)
     assert capsys.readouterr().err.splitlines() == [
-        "neofix: GPTNeoModel step 0: batch 1, 5 new + 0 cached, mask 5, positions 0..4, repaired: positions_derived"
+        # an unpadded prompt: transformers' own positions are the mask's already, nothing to change
+        "neofix: GPTNeoModel step 0: batch 1, 5 new + 0 cached, mask 5, positions 0..4, repaired: nothing"
     ]
+
+
+def test_traced_generate_takes_the_fast_path(model, monkeypatch):
+    """A traced run runs the path users run: generate's decode steps take the fast path and are recorded from it."""
+    from neofix import _wrappers
+
+    taken = []
+    real = _wrappers.aligned_decode_step
+
+    def spy(input_ids, *args):
+        result = real(input_ids, *args)
+        taken.append((input_ids.shape[1], result is not None))
+        return result
+
+    monkeypatch.setattr(_wrappers, "aligned_decode_step", spy)
+    ids, mask = left_padded_batch([6, 4])
+    with neofix.trace(model) as steps, torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert [fast for new, fast in taken if new == 1] == [True, True, True]
+    assert [(s.new_tokens, s.cached_tokens, s.mask_length) for s in steps] == [(6, 0, 6), (1, 6, 7), (1, 7, 8), (1, 8, 9)]
+    assert [s.last_positions for s in steps[1:]] == [(6, 4), (7, 5), (8, 6)]
+    assert all(s.repairs == () for s in steps)
 
 
 def test_not_logging_without_the_environment_variable():

@@ -1,0 +1,240 @@
+"""generate near the end of the position table, and with static caches: never refused where vanilla completes.
+
+A model with 64 positions (``neofix.testing.tiny_gpt_neo``; eos 0).  generate may be asked for more tokens than fit,
+and still complete: an end-of-sequence token, a stopping criterion of the caller's, or a shorter limit transformers
+resolves from the generation config can end it in time.  neofix refuses before any forward only what cannot possibly
+run; a run that does go past the table raises :class:`neofix.SequenceTooLongError` at the step that would, before its
+compute (vanilla: ``IndexError: index out of range in self`` at that same step).  Every completed run is compared with
+vanilla's output, token for token.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+import transformers
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import neofix
+from neofix.testing import reference_greedy, tiny_gpt_neo
+
+from ._versions import has, requires
+
+PROMPT = 58  # of 64 positions: 7 new tokens fit (the last one generated is never fed back)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """float32: transformers 4.36 - 4.44 cannot run GPT-Neo in float64 unpatched, and every test runs vanilla too."""
+    return tiny_gpt_neo(seed=0, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(1, 96, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+
+
+class Forwards:
+    def __init__(self, model):
+        self.model, self.count = model, 0
+
+    def __enter__(self):
+        self.handle = self.model.transformer.register_forward_pre_hook(lambda *_: setattr(self, "count", self.count + 1))
+        return self
+
+    def __exit__(self, *_):
+        self.handle.remove()
+
+
+def outcome(model, call):
+    """``(tokens or the exception, forwards run)`` of ``call()``."""
+    with Forwards(model) as forwards, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            result = call()
+        except Exception as exc:  # noqa: BLE001 - the outcome is compared
+            result = exc
+    return result, forwards.count
+
+
+def both(model, call):
+    """The patched outcome, then vanilla's."""
+    patched = outcome(model, call)
+    with neofix.unpatched():
+        plain = outcome(model, call)
+    return patched, plain
+
+
+def first_token(model, prompt):
+    with torch.no_grad():
+        return int(model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1])
+
+
+class AfterLength(StoppingCriteria):
+    """Stops once sequences reach ``length`` tokens."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = input_ids.shape[-1] >= self.length
+        if transformers.__version__ >= "4.39":  # a per-row answer from 4.39 on
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+        return done
+
+
+def test_eos_within_the_table_completes_as_vanilla(model, prompt):
+    """Asked for 10 tokens where 7 fit, but the first token is EOS: vanilla completes, so neofix must too."""
+    eos = first_token(model, prompt)
+    call = lambda: model.generate(prompt, max_new_tokens=10, eos_token_id=eos, do_sample=False, pad_token_id=0)  # noqa: E731
+    (patched, _), (plain, _) = both(model, call)
+    assert isinstance(plain, torch.Tensor) and plain.shape == (1, PROMPT + 1)
+    assert isinstance(patched, torch.Tensor) and torch.equal(patched, plain)
+
+
+def test_a_stopping_criterion_within_the_table_completes_as_vanilla(model, prompt):
+    criteria = lambda: StoppingCriteriaList([AfterLength(PROMPT + 3)])  # noqa: E731
+    call = lambda: model.generate(  # noqa: E731
+        prompt, max_length=80, stopping_criteria=criteria(), do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    (patched, _), (plain, _) = both(model, call)
+    assert isinstance(plain, torch.Tensor) and plain.shape == (1, PROMPT + 3)
+    assert isinstance(patched, torch.Tensor) and torch.equal(patched, plain)
+
+
+def test_lengths_are_the_ones_transformers_resolved(model, prompt):
+    """generation_config.max_new_tokens=4 with a max_length=80 argument: transformers decides which wins (4 new tokens
+    from 4.3x on, 80 before), and neofix follows: the same tokens, or the same step failing."""
+    model.generation_config.max_new_tokens = 4
+    try:
+        call = lambda: model.generate(prompt, max_length=80, do_sample=False, pad_token_id=0, eos_token_id=None)  # noqa: E731
+        (patched, steps), (plain, plain_steps) = both(model, call)
+    finally:
+        model.generation_config.max_new_tokens = None
+    if isinstance(plain, torch.Tensor):
+        assert plain.shape == (1, PROMPT + 4)
+        assert isinstance(patched, torch.Tensor) and torch.equal(patched, plain)
+    else:  # max_length won: vanilla runs out of positions; neofix refuses up front (no EOS: it runs to max_length)
+        assert isinstance(plain, IndexError) and plain_steps > 1
+        assert isinstance(patched, neofix.SequenceTooLongError) and steps == 0, patched
+
+
+def test_overflow_is_reported_at_the_step_that_would_pass_the_table(model, prompt):
+    """EOS could end it (so it may not be refused), but does not come: the step that would need position 64 raises
+    before its compute, after the 7 tokens that fit; vanilla computes the same steps, then an IndexError."""
+    with torch.no_grad():  # the 7 tokens that fit, then an EOS that is none of them
+        fitting = model.generate(prompt, max_new_tokens=7, eos_token_id=None, do_sample=False, pad_token_id=0)
+    never = next(token for token in range(1, 96) if token not in fitting[0, PROMPT:].tolist())
+    call = lambda: model.generate(prompt, max_new_tokens=10, eos_token_id=never, do_sample=False, pad_token_id=0)  # noqa: E731
+    (patched, steps), (plain, plain_steps) = both(model, call)
+    assert isinstance(plain, IndexError) and "index out of range in self" in str(plain)
+    assert isinstance(patched, neofix.SequenceTooLongError), patched
+    assert steps == plain_steps == 64 - PROMPT + 2  # the prefill, the steps that fit, and the failing one
+    message = str(patched)
+    assert "generate produced 7 new tokens after the 58-token prompt" in message
+    assert "would need position 64, but config.max_position_embeddings is 64" in message
+    assert "at most 7 new tokens fit after this prompt. Pass max_new_tokens=7 or fewer" in message
+
+
+def test_no_eos_runs_to_max_length_and_is_refused_up_front(model, prompt):
+    call = lambda: model.generate(prompt, max_new_tokens=10, eos_token_id=None, do_sample=False, pad_token_id=0)  # noqa: E731
+    (patched, steps), (plain, plain_steps) = both(model, call)
+    assert isinstance(plain, IndexError) and plain_steps == 64 - PROMPT + 2
+    assert isinstance(patched, neofix.SequenceTooLongError) and steps == 0, "a forward ran before the refusal"
+    assert re.search(r"no eos_token_id, so it runs to max_length=68, which needs 67 positions", str(patched))
+    assert "at most 7 new tokens fit after this 58-token prompt" in str(patched)
+
+
+@pytest.mark.parametrize(
+    "kwargs, why", [(dict(min_new_tokens=8), "min_new_tokens=8 forces 8 new tokens"), (dict(min_length=67), "min_length=67")]
+)
+def test_minimum_lengths_past_the_table_are_refused_up_front(model, prompt, kwargs, why):
+    call = lambda: model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0, **kwargs)  # noqa: E731
+    (patched, steps), (plain, _) = both(model, call)
+    assert isinstance(plain, IndexError)
+    assert isinstance(patched, neofix.SequenceTooLongError) and steps == 0
+    assert why in str(patched) and "at most 7 new tokens fit" in str(patched)
+
+
+def test_a_minimum_that_fits_runs_as_vanilla(model, prompt):
+    call = lambda: model.generate(prompt, max_new_tokens=10, min_new_tokens=7, do_sample=False, pad_token_id=0)  # noqa: E731
+    (patched, _), (plain, _) = both(model, call)
+    if isinstance(plain, torch.Tensor):  # EOS after the 7th token ends it; else both run past the table
+        assert isinstance(patched, torch.Tensor) and torch.equal(patched, plain)
+    else:
+        assert isinstance(patched, neofix.SequenceTooLongError), patched
+
+
+def test_a_prompt_longer_than_the_table_is_refused_up_front(model):
+    call = lambda: model.generate(torch.ones(1, 65, dtype=torch.long), max_new_tokens=1, pad_token_id=0)  # noqa: E731
+    (patched, steps), (plain, _) = both(model, call)
+    assert isinstance(plain, IndexError)
+    assert isinstance(patched, neofix.SequenceTooLongError) and steps == 0
+    assert "the 65-token prompt alone is longer than that: shorten it" in str(patched)
+
+
+# -- static caches ------------------------------------------------------------------------------------------------
+
+
+def batch():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 3, 4, 5, 6]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    return ids, mask
+
+
+def static_generate(model, new=10):
+    ids, mask = batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    return lambda: model.generate(ids, cache_implementation="static", **kwargs)
+
+
+@requires("static caches")
+def test_static_cache_is_token_identical_to_vanilla():
+    """An all-global model: transformers' static cache is right, and neofix leaves it exactly as it is (the 4D mask
+    generate builds covers the cache's slots, not the tokens so far)."""
+    ids, mask = batch()
+    patched, _ = outcome(model := tiny_gpt_neo(seed=0, attention_types=[[["global"], 4]]), static_generate(model))
+    with neofix.unpatched():
+        plain, _ = outcome(fresh := tiny_gpt_neo(seed=0, attention_types=[[["global"], 4]]), static_generate(fresh))
+    assert isinstance(patched, torch.Tensor), patched
+    assert torch.equal(patched, plain)
+    assert torch.equal(patched, reference_greedy(model, ids, mask, 10))
+
+
+@requires("static caches")
+def test_static_cache_with_local_layers_names_the_limitation():
+    """transformers' GPT-Neo takes a local layer's window from the static cache's last slot, not from the token's
+    position: with more slots than the window, vanilla gives wrong tokens; neofix refuses before any compute."""
+    ids, mask = batch()
+    model = tiny_gpt_neo(seed=0)  # global and local layers, window 4
+    with neofix.unpatched():
+        plain, _ = outcome(model, static_generate(model))
+    assert isinstance(plain, torch.Tensor) and not torch.equal(plain, reference_greedy(model, ids, mask, 10))
+    model = tiny_gpt_neo(seed=0)  # a fresh one: generate keeps its static cache on the model
+    patched, forwards = outcome(model, static_generate(model))
+    assert isinstance(patched, neofix.AttentionWindowError), patched
+    assert forwards == 1  # the prefill, refused before its compute
+    message = str(patched)
+    assert "a static cache of 15 slots with GPT-Neo's local attention layers (window of 4 tokens)" in message
+    assert "Use the default dynamic cache" in message
+
+
+@requires("static caches")
+def test_static_cache_within_the_window_runs():
+    """No more slots than the window: the local layers see the right tokens, and neofix lets it run."""
+    ids, mask = batch()
+    model = tiny_gpt_neo(seed=0, window_size=15)
+    patched, _ = outcome(model, static_generate(model))
+    assert isinstance(patched, torch.Tensor), patched
+    assert torch.equal(patched, reference_greedy(model, ids, mask, 10))
+
+
+def test_static_caches_are_probed_right():
+    """The feature flag above is not vacuous: GPT-Neo refuses static caches up to 4.53, runs them from 4.57 on."""
+    from ._versions import TF_RELEASE
+
+    if TF_RELEASE <= (4, 53) or TF_RELEASE >= (4, 57):
+        assert has("static caches") == (TF_RELEASE >= (4, 57))

@@ -1,0 +1,193 @@
+"""Positions of the right shape but the wrong value, right padding at the start of decoding, and compiled loops.
+
+The two hand-written-loop bugs that pass every shape check: ``arange`` positions over a left-padded prompt (then the
+sequence length at each step), and a loop that forgets to increment.  In repair mode both must give the reference
+tokens (full recompute, positions from the mask) with a ``NeofixWarning`` naming the row, the step and the value; in
+strict mode a ``PositionError`` at the first wrong step.  Deliberate positions where nothing is decoded (packed
+documents restarting at 0, no padding) are left exactly as given.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import neofix
+from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
+
+from ._versions import cache_keyword, has, output_cache
+from .loops import decode, left_padded_batch
+
+STEPS = 6
+
+
+def reference(model, ids, mask, steps=STEPS):
+    return reference_greedy(model, ids, mask, steps)[:, ids.shape[1]:]
+
+
+def said(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
+
+
+def vanilla_decode(model, *args, **kwargs):
+    """The same loop on unpatched transformers, in float32 where 4.36 - 4.44 cannot run float64 GPT-Neo."""
+    if has("float64 mask bug"):
+        model = tiny_gpt_neo(seed=0, dtype=torch.float32)
+    with neofix.unpatched(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return decode(model, *args, **kwargs), model
+
+
+def test_arange_over_a_left_padded_batch_is_repaired(model):
+    """positions=arange(L) on the prompt, then [[cur_len]] on each step: the classic batched-generation bug."""
+    ids, mask = left_padded_batch([6, 3, 5])
+    expected = reference(model, ids, mask)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = decode(model, ids, mask, STEPS, positions="arange")
+    assert torch.equal(got, expected)
+    messages = said(caught)
+    assert len(messages) == 2, messages  # one per kind: the prompt, then the decode steps; once each
+    assert "position_ids count the left padding of rows 1, 2: the first real token of row 1 is at position 3" in messages[0]
+    assert "position_ids[1, 0] is 6 at the step after 6 cached tokens" in messages[1]
+    assert "puts that real token of row 1 at position 3" in messages[1]
+    plain, vanilla_model = vanilla_decode(model, ids, mask, STEPS, positions="arange")
+    assert not torch.equal(plain, reference(vanilla_model, ids, mask))  # vanilla: wrong tokens for the padded rows
+
+
+def test_a_loop_that_does_not_increment_is_repaired(model):
+    ids, mask = left_padded_batch([6, 3, 5])
+    expected = reference(model, ids, mask)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = decode(model, ids, mask, STEPS, positions="frozen")
+    assert torch.equal(got, expected)
+    messages = said(caught)
+    assert len(messages) == 1 and "position_ids[0, 0] is 5 at the step after 6 cached tokens" in messages[0], messages
+    plain, vanilla_model = vanilla_decode(model, ids, mask, STEPS, positions="frozen")
+    assert not torch.equal(plain, reference(vanilla_model, ids, mask))
+
+
+@pytest.mark.parametrize("positions, at", [("arange", 0), ("frozen", 1)])
+def test_strict_mode_raises_at_the_first_wrong_step(model, strict, positions, at):
+    ids, mask = left_padded_batch([6, 3, 5])
+    forwards = []
+    handle = model.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        with pytest.raises(neofix.PositionError, match="positions must advance by one per real token"):
+            decode(model, ids, mask, STEPS, positions=positions)
+    finally:
+        handle.remove()
+    assert len(forwards) == at + 1
+
+
+def test_positions_without_padding_are_left_as_given(model):
+    """No cache, every token real, positions restarting per packed document: deliberate, and exactly vanilla's."""
+    ids = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    model32 = tiny_gpt_neo(seed=0, dtype=torch.float32)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions, use_cache=False)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", neofix.NeofixWarning)
+        patched = model32(**kwargs).logits
+        with neofix.unpatched():
+            plain = model32(**kwargs).logits
+    assert torch.equal(patched, plain)
+
+
+def test_left_padded_custom_positions_are_left_as_given(model):
+    """A left-padded row whose positions neither follow the mask nor count the padding has no second reading to
+    repair towards (a custom scheme): left as given, without a word."""
+    ids, mask = left_padded_batch([6, 3])
+    positions = reference_positions(mask) + 2  # every real token two further on: not arange, not the mask's
+    kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    model32 = tiny_gpt_neo(seed=0, dtype=torch.float32)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", neofix.NeofixWarning)
+        patched = model32(**kwargs).logits
+        with neofix.unpatched():
+            plain = model32(**kwargs).logits
+    assert torch.equal(patched, plain)
+
+
+# -- right padding at the start of decoding -------------------------------------------------------------------------
+
+
+def right_padded_loop(model, steps=3):
+    """A prompt batch right-padded (as GPT-2 / GPT-Neo tokenizers pad by default), decoded by hand."""
+    ids = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        for _ in range(steps):
+            mask = torch.cat([mask, mask.new_ones(2, 1)], -1)
+            out = model(
+                input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, use_cache=True,
+                **{cache_keyword(): output_cache(out)},
+            )
+    return out
+
+
+def test_right_padding_is_said_when_decoding_starts(model):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        right_padded_loop(model)
+    messages = said(caught)
+    assert len(messages) == 1, messages
+    assert "decoding continues from a cache whose prompt had right padding in row 1" in messages[0]
+    assert "tokenizer.padding_side = 'left'" in messages[0]
+
+
+def test_right_padding_strict_raises_at_the_first_decode_step(model, strict):
+    forwards = []
+    handle = model.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        with pytest.raises(neofix.MaskValueError, match="right padding in row 1"):
+            right_padded_loop(model)
+    finally:
+        handle.remove()
+    assert len(forwards) == 2  # the prefill ran (a right-padded forward is fine on its own); decoding from it is not
+
+
+def test_right_padding_without_decoding_is_not_said(model, strict):
+    """Classification and training on right-padded batches never decode from the cache: nothing is said, even in
+    strict mode (tests/test_never_break.py compares their outputs with vanilla's)."""
+    ids = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", neofix.NeofixWarning)
+        for _ in range(2):
+            model(input_ids=ids, attention_mask=mask)  # use_cache defaults to True: a cache is returned, not used
+
+
+# -- compiled loops -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def compiled():
+    torch._dynamo.reset()
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32, num_layers=2)
+    yield model, torch.compile(model, backend="eager")
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mask_mode, positions", [("synced", "none"), ("stale", "none"), ("synced", "frozen")])
+def test_a_compiled_loop_is_as_correct_as_an_eager_one(compiled, mask_mode, positions):
+    """Under torch.compile neofix traces its shape logic into the graph: mask extension, positions from the mask,
+    and the device-side repair of wrong position values.  Nothing is read or reported inside compiled code."""
+    model, fast = compiled
+    ids, mask = left_padded_batch([6, 3, 5])
+    expected = reference(model, ids, mask)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = decode(fast, ids, mask, STEPS, mask_mode=mask_mode, positions=positions)
+    assert torch.equal(got, expected)
+    assert said(caught) == []  # inside compiled code repairs are made, not reported
+    if mask_mode == "synced" and positions == "none":
+        torch._dynamo.reset()
+        with neofix.unpatched(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plain = decode(torch.compile(model, backend="eager"), ids, mask, STEPS)
+        assert not torch.equal(plain, expected)  # vanilla compiled: the padded rows go wrong

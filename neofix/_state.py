@@ -98,6 +98,23 @@ def _preferred(cache: Any) -> Any:
     return cache
 
 
+def _already_reordered(cache: Any, held: Any) -> bool:
+    """Whether ``cache`` is the held Cache object, or tuples holding that object's current tensors (taken from it with
+    ``to_legacy_cache()`` or by hand after ``reorder()`` reordered it in place)."""
+    if cache is held:
+        return True
+    if held is None or isinstance(held, (tuple, list)) or not isinstance(cache, (tuple, list)) or not cache:
+        return False
+    layers = getattr(held, "layers", None)
+    if layers:  # transformers >= 4.56
+        key = getattr(layers[0], "keys", None)
+    else:
+        key_cache = getattr(held, "key_cache", None)
+        key = key_cache[0] if key_cache else None
+    first = cache[0]
+    return key is not None and bool(first) and first[0] is key
+
+
 def _reorder_cache(cache: Any, index: torch.Tensor) -> Any:
     if cache is None:
         return None
@@ -260,8 +277,9 @@ class DecodeState:
 
         cache = _cache_of(out, where)
         # A reorder() since model_inputs() applies to the cache this forward returned, unless that cache is the
-        # held Cache object itself (updated in place by the forward), which reorder() already reordered.
-        pending = self._pending if cache is not self._cache else None
+        # held Cache object itself (updated in place by the forward), which reorder() already reordered, or tuples
+        # taken from it after reorder() (they hold its reordered tensors themselves).
+        pending = self._pending if not _already_reordered(cache, self._cache) else None
         expected_batch = self._pending_batch if pending is not None else batch
         self._validate(cache, length, expected_batch, where, "it must hold every token fed so far")
         if pending is not None:

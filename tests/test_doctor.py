@@ -31,6 +31,8 @@ KEYS = [
     "stale_mask",
     "padded_no_positions",
     "stale_positions",
+    "arange_positions",
+    "frozen_positions",
     "chunked_prefill",
     "mask_too_long",
     "batch_mismatch",
@@ -38,6 +40,7 @@ KEYS = [
     "out_of_vocabulary",
     "generate_greedy",
     "generate_beam",
+    "generate_eos_near_the_end",
 ]
 TARGETS = [name for name, _, _ in _lifecycle.status()]
 
@@ -101,7 +104,7 @@ def test_command_prints_the_table():
     assert f"vanilla transformers {transformers.__version__}" in header and "neofix (repair mode)" in header
     rows = [line for line in out.splitlines() if line.endswith("  ok")]
     assert len(rows) == len(KEYS)
-    assert "All 10 neofix verdicts are right" in out
+    assert f"All {len(KEYS)} neofix verdicts are right" in out
     assert "WRONG" not in out and "Traceback" not in done.stderr
     # the vanilla failures and neofix's answers, in the table's words
     table = {line.split("  ")[1]: line for line in rows}
@@ -112,7 +115,7 @@ def test_command_prints_the_table():
     assert "clear error: SequenceTooLongError" in table["past max_position_embeddings"]
     # progress on stderr, one line per step; no warnings from the vanilla runs
     progress = done.stderr.splitlines()
-    assert "neofix doctor: [10/10] generate, 3 beams, left-padded" in progress
+    assert f"neofix doctor: [{len(KEYS)}/{len(KEYS)}] generate past the table, EOS in time" in progress
     assert all(line.startswith("neofix doctor: ") for line in progress), done.stderr
 
 

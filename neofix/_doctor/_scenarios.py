@@ -136,7 +136,9 @@ def decode(
 
     mask_mode  "synced": the mask covers cached + new tokens; "stale": the prompt's mask at every step;
                "preallocated": after the prompt, a mask already as long as the whole generation at every step.
-    positions  "none" | "correct" (new tokens only) | "stale" (the prompt's, at every step).
+    positions  "none" | "correct" (new tokens only) | "stale" (the prompt's, at every step) | "arange" (arange over
+               the padded width, then the sequence length: the classic batched-generation bug) | "frozen" (right on
+               the prompt, then the prompt's last position again at every step: a loop that does not increment).
     chunks     split points: the prompt is fed in pieces with the cache (chunked prefill).
     """
     bounds = [0, *chunks, ids.shape[1]]
@@ -164,6 +166,11 @@ def decode(
             kwargs["position_ids"] = reference_positions(step_mask)[:, -new.shape[1]:]
         elif positions == "stale":
             kwargs["position_ids"] = reference_positions(full_mask[:, : ids.shape[1]])
+        elif positions == "arange":
+            kwargs["position_ids"] = torch.arange(fed - new.shape[1], fed).unsqueeze(0)
+        elif positions == "frozen":
+            prompt_positions = reference_positions(full_mask[:, : ids.shape[1]])
+            kwargs["position_ids"] = prompt_positions if step < len(feeds) else prompt_positions[:, -1:]
         if cache is not None:
             kwargs[ctx.cache_keyword] = cache
         out = ctx.model(**kwargs)
@@ -187,6 +194,14 @@ def _padded_without_positions(ctx: Context) -> torch.Tensor:
 
 def _stale_positions(ctx: Context) -> torch.Tensor:
     return decode(ctx, ctx.ids, ctx.mask, STEPS, positions="stale")
+
+
+def _arange_positions(ctx: Context) -> torch.Tensor:
+    return decode(ctx, ctx.ids, ctx.mask, STEPS, positions="arange")
+
+
+def _frozen_positions(ctx: Context) -> torch.Tensor:
+    return decode(ctx, ctx.ids, ctx.mask, STEPS, positions="frozen")
 
 
 def _chunked_prefill(ctx: Context) -> torch.Tensor:
@@ -221,6 +236,28 @@ def _generate_beam(ctx: Context) -> torch.Tensor:
     return ctx.generate(BEAMS)
 
 
+def _near_the_end(ctx: Context) -> tuple[torch.Tensor, int]:
+    """A prompt 6 positions short of the table's end, and an EOS token that ends it after the first new token."""
+    ids = torch.randint(0, ctx.vocab_size, (1, ctx.max_positions - 6), generator=torch.Generator().manual_seed(2))
+    first = reference_greedy(ctx.model, ids, None, 1)[0, -1]
+    return ids, int(first)
+
+
+@torch.no_grad()
+def _generate_eos_near_the_end(ctx: Context) -> torch.Tensor:
+    """max_new_tokens past the table, but EOS ends it at once: vanilla completes, so neofix must."""
+    ids, eos = _near_the_end(ctx)
+    out = ctx.model.generate(
+        ids, max_new_tokens=10, eos_token_id=eos, pad_token_id=ctx.pad, do_sample=False, num_beams=1
+    )
+    return out[:, ids.shape[1]:]
+
+
+def _eos_near_the_end_reference(ctx: Context) -> torch.Tensor:
+    ids, eos = _near_the_end(ctx)
+    return reference_greedy(ctx.model, ids, None, 10, eos_token_id=eos, pad_token_id=ctx.pad)[:, ids.shape[1]:]
+
+
 class Scenario(NamedTuple):
     key: str
     title: str
@@ -245,6 +282,14 @@ SCENARIOS = (
         None, None,
     ),
     Scenario("stale_positions", "stale position_ids", _stale_positions, Context.reference, None, PositionError),
+    Scenario(
+        "arange_positions", "left-padded loop, arange position_ids", _arange_positions, Context.reference, None,
+        PositionError,
+    ),
+    Scenario(
+        "frozen_positions", "loop not incrementing position_ids", _frozen_positions, Context.reference, None,
+        PositionError,
+    ),
     Scenario("chunked_prefill", "chunked prefill, left-padded", _chunked_prefill, Context.reference, None, None),
     Scenario(
         "mask_too_long", "mask longer than cache + input", _mask_too_long, Context.reference, MaskLengthError,
@@ -264,5 +309,9 @@ SCENARIOS = (
     Scenario(
         "generate_beam", f"generate, {BEAMS} beams, left-padded", _generate_beam,
         lambda ctx: ctx.generate_reference(BEAMS), None, None, parity=True,
+    ),
+    Scenario(
+        "generate_eos_near_the_end", "generate past the table, EOS in time", _generate_eos_near_the_end,
+        _eos_near_the_end_reference, None, None, parity=True,
     ),
 )

@@ -55,8 +55,11 @@ def emit(info: StepInfo) -> None:
 def warn_repairs(repairs: Any) -> None:
     """Warn each repair that has a message, once per kind (see :func:`neofix._errors.warn_once`)."""
     for repair in repairs:
-        if repair.message:
-            warn_once(repair.kind, repair.message)
+        message = repair.message
+        if message and repair.kind not in _errors._warned:
+            message = message() if callable(message) else message
+            if message:
+                warn_once(repair.kind, message)
 
 
 # -- position reports of decode steps ----------------------------------------------------------------------------------

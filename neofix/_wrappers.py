@@ -27,7 +27,8 @@ import torch
 from . import _caches, _compat, _reports
 from ._compat import is_compiling, is_stepping_aside, is_tracing, positional_names
 from ._config import settings
-from ._core import Limits, Policy, StepInputs, align, derive_positions, explain_index_error, step_unchanged
+from ._core import Aligned, Limits, Policy, StepInputs, align, derive_positions, explain_index_error, step_unchanged
+from ._core._values import prefill_fits, read_prefill
 from ._errors import (
     AttentionWindowError,
     InputShapeError,
@@ -91,6 +92,20 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                 except IndexError as exc:
                     explain_index_error(exc, limits, first, None, kwargs.get("position_ids"))
                     raise
+        prefilled = None
+        if len(args) <= 1 and first is not None and (args or "input_ids" in kwargs):
+            prefilled = plain_prefill(first, kwargs, limits)
+            if prefilled is not None and prefilled.positions is None and not prefilled.right_padded:
+                # the usual forward without a cache (training, scoring, heads): values read, nothing to change
+                if listeners:
+                    mask = kwargs.get("attention_mask")
+                    _reports.emit(
+                        StepInfo(
+                            self, first.shape[0], first.shape[1], 0, None if mask is None else mask.shape[-1], mask,
+                            None, (),
+                        )
+                    )
+                return original(self, *args, **kwargs)
         if args:  # generate and the heads pass input_ids alone positionally: skip zip() for that case
             kwargs = {first_name: args[0], **kwargs} if len(args) == 1 else {**dict(zip(names, args)), **kwargs}
         input_ids = kwargs.get("input_ids")
@@ -113,16 +128,22 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
             kwargs.get("token_type_ids"),
             kwargs.get("cache_position"),
         )
-        policy = Policy(
-            settings.strict,
-            settings.check_values,
-            given is not None and _is_trusted(given),
-            False,
-            settings.uncached_positions,
-        )
-        aligned = align(step, view, limits, policy)
-        if aligned is None:
-            return original(self, **kwargs)
+        if prefilled is not None:  # read already: the tokens, and positions derived from a left-padded mask
+            aligned = Aligned(
+                mask, prefilled.positions, None, None, first.shape[0], first.shape[1], prefilled.repairs, True, None,
+                prefilled.right_padded,
+            )
+        else:
+            policy = Policy(
+                settings.strict,
+                settings.check_values,
+                given is not None and _is_trusted(given),
+                False,
+                settings.uncached_positions,
+            )
+            aligned = align(step, view, limits, policy)
+            if aligned is None:
+                return original(self, **kwargs)
         _reports.warn_repairs(aligned.repairs)
         if aligned.report is not None:
             _reports.deliver(aligned.report)
@@ -158,6 +179,31 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
         return output
 
     return _mark(forward)
+
+
+def plain_prefill(input_ids: Any, kwargs: dict, limits: Limits) -> Any:
+    """The values of a forward without a cache, positions, token types or embeddings (the usual training, scoring and
+    classification call, and a loop's first forward), read by :func:`~neofix._core.read_prefill`; ``None`` for any
+    other call (the general path aligns it).  Shapes are checked first, from the call's arguments alone."""
+    if (
+        kwargs.get("cache") is not None
+        or kwargs.get("past_key_values") is not None
+        or kwargs.get("position_ids") is not None
+        or kwargs.get("token_type_ids") is not None
+        or kwargs.get("inputs_embeds") is not None
+        or kwargs.get("cache_position") is not None
+    ):
+        return None
+    mask = kwargs.get("attention_mask")
+    shape = input_ids.shape
+    if (
+        len(shape) != 2
+        or shape[1] == 0
+        or (limits.max_positions is not None and shape[1] > limits.max_positions)
+        or not prefill_fits(0, None, None, input_ids, mask)
+    ):
+        return None
+    return read_prefill(input_ids, mask, limits, settings.uncached_positions)
 
 
 def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple, kwargs: dict, adapter: Any) -> Any:

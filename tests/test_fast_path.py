@@ -243,3 +243,100 @@ def test_per_model_facts_do_not_keep_models_alive():
     del model
     gc.collect()
     assert key not in _wrappers._FACTS
+
+
+# -- the prefill path: forwards without a cache read their values in a few operations ---------------------------------
+
+from neofix._core import _values  # noqa: E402
+from neofix._errors import MaskValueError, TokenIdError  # noqa: E402
+
+PREFILL_MASKS = {
+    "none": None,
+    "unpadded": [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]],
+    "left-padded": [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]],
+    "right-padded": [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]],
+    "both": [[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]],
+    "a gap": [[1, 1, 0, 1, 1], [1, 1, 1, 1, 1]],
+    "all padding in a row": [[1, 1, 1, 1, 1], [0, 0, 0, 0, 0]],
+    "a 2": [[1, 1, 1, 1, 1], [0, 0, 2, 1, 1]],
+    "a -1": [[1, 1, 1, 1, 1], [-1, 1, 1, 1, 1]],
+}
+
+
+def read_both_ways(ids, mask, limits, past=0):
+    """``read_prefill`` through NumPy (the CPU path) and through torch operations (the path accelerators take)."""
+    outcomes = []
+    for numpy_on_cpu in (True, False):
+        _values.NUMPY_ON_CPU = numpy_on_cpu
+        try:
+            settled = _values.read_prefill(ids, mask, limits, past=past)
+            outcomes.append((settled.positions, settled.right_padded, [r.kind for r in settled.repairs]))
+        except neofix.NeofixError as exc:
+            outcomes.append((type(exc), str(exc)))
+        finally:
+            _values.NUMPY_ON_CPU = True
+    return outcomes
+
+
+@pytest.mark.parametrize("name", list(PREFILL_MASKS))
+@pytest.mark.parametrize("bad_id", [None, 96, -3])
+def test_prefill_reads_agree_on_the_cpu_and_accelerator_paths(model, name, bad_id):
+    ids = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 5]])
+    if bad_id is not None:
+        ids[1, 3] = bad_id
+    mask = None if PREFILL_MASKS[name] is None else torch.tensor(PREFILL_MASKS[name])
+    numpy_way, torch_way = read_both_ways(ids, mask, gpt_neo.limits(model.config))
+    if isinstance(numpy_way[0], type):  # an error: the same class and message either way
+        assert numpy_way == torch_way
+        expected = TokenIdError if bad_id is not None else MaskValueError
+        assert numpy_way[0] is expected
+        return
+    assert bad_id is None and name not in ("a 2", "a -1")
+    (positions, right, kinds), (other_positions, other_right, other_kinds) = numpy_way, torch_way
+    assert right == other_right and kinds == other_kinds
+    assert (positions is None) == (other_positions is None)
+    if positions is None:  # left to transformers: only where its arange is the mask's for every real token
+        assert name in ("none", "unpadded", "right-padded", "all padding in a row")
+    else:
+        assert torch.equal(positions, other_positions)
+        real = mask != 0
+        assert torch.equal(positions[real], reference_positions(mask)[real])  # real tokens: the mask's positions
+    assert right == ((1,) if name == "right-padded" else (0,) if name == "both" else ())
+
+
+@pytest.mark.parametrize("name", ["unpadded", "left-padded", "both", "a gap", "a 2"])
+def test_chunk_reads_agree_on_the_cpu_and_accelerator_paths(model, name):
+    """A chunk after 3 cached tokens: the mask covers them too; right padding is only said at a prefill."""
+    ids = torch.tensor([[7, 8], [9, 10]])
+    mask = torch.tensor(PREFILL_MASKS[name])
+    numpy_way, torch_way = read_both_ways(ids, mask, gpt_neo.limits(model.config), past=3)
+    if isinstance(numpy_way[0], type):
+        assert numpy_way == torch_way and numpy_way[0] is MaskValueError
+        return
+    assert numpy_way[1] == torch_way[1] == ()
+    if numpy_way[0] is None:
+        assert torch_way[0] is None and name == "unpadded"
+    else:
+        assert torch.equal(numpy_way[0], torch_way[0])
+        real = mask[:, -2:] != 0
+        assert torch.equal(numpy_way[0][real], reference_positions(mask)[:, -2:][real])
+
+
+def test_plain_forwards_take_the_prefill_path(model, monkeypatch):
+    """Training, scoring and classification calls are read by read_prefill, and changed only where left-padded."""
+    taken = []
+    real = _wrappers.plain_prefill
+
+    def spy(input_ids, kwargs, limits):
+        result = real(input_ids, kwargs, limits)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(_wrappers, "plain_prefill", spy)
+    ids, mask = left_padded_batch([5, 5])
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)  # causal LM
+        model(input_ids=ids, attention_mask=mask, labels=ids)  # with a loss
+        model(input_ids=ids)  # no mask
+        model(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask))  # positions: general path
+    assert taken == [True, True, True, False]

@@ -97,10 +97,11 @@ class Report(NamedTuple):
 
 
 class Repair(NamedTuple):
-    """Something alignment changed.  ``message`` is the warning to show once per kind ("" for silent adjustments)."""
+    """Something alignment changed.  ``message`` is the warning to show once per kind ("" for silent adjustments), or
+    a function returning it (called only if that kind has not been reported yet: building it may read values)."""
 
     kind: str
-    message: str
+    message: Any
 
 
 class Aligned(NamedTuple):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+from numpy import diff as _np_diff
 
 from .._errors import MaskValueError, PositionError, TokenIdError
 from ._types import (
@@ -43,9 +44,10 @@ class Settled(NamedTuple):
     values_read: bool
     report: Report | None
     right_padded: tuple[int, ...]
+    repairs: tuple[Repair, ...] = ()  # made by read_prefill (the other steps append to the caller's list)
 
 
-_NOTHING = Settled(None, False, None, ())
+_UNCHANGED = Settled(None, True, None, ())
 
 
 def settle(
@@ -68,7 +70,8 @@ def settle(
     or ``None``.
     """
     decode = new == 1 and past != 0
-    compare = given and policy.absolute_positions and not policy.trusted_positions
+    # generate's own positions are compared on its prefill only (they may be the caller's), not on its decode steps
+    compare = given and policy.absolute_positions and (not policy.trusted_positions or past == 0)
     if policy.compiling:
         return Settled(_without_reading(positions, given, compare, mask, new, past, cache_position), False, None, ())
     if decode and not policy.check_values and not (compare and policy.strict):
@@ -80,8 +83,99 @@ def settle(
             return Settled(positions, False, None, ())
         repairs.append(Repair(POSITIONS_DERIVED, ""))
         return Settled(_decode_positions(mask, past, cache_position), False, None, ())
+    if prefill_fits(past, positions, token_types, input_ids, mask):
+        settled = read_prefill(input_ids, mask, limits, policy.uncached_positions, past)  # type: ignore[arg-type]
+        repairs += settled.repairs
+        return settled
     return _read_once(input_ids, token_types, positions, given, compare, mask, new, past, cache_position, limits,
                       policy, repairs)
+
+
+#: Read CPU tensors with NumPy (tests turn it off to run the torch path accelerators take, on the CPU).
+NUMPY_ON_CPU = True
+
+
+def prefill_fits(past: int | None, positions: Any, token_types: Any, input_ids: Any, mask: Any) -> bool:
+    """Whether :func:`read_prefill` handles the step: a prefill, or a multi-token step after a cache (a chunk), with
+    no positions or token types, long ``input_ids`` and a long 2D mask over the cached plus new tokens, or none on a
+    prefill (shapes and dtypes only)."""
+    if positions is not None or token_types is not None or input_ids is None or input_ids.dtype != torch.long:
+        return False
+    if past == 0:
+        return mask is None or (mask.dtype == torch.long and mask.shape == input_ids.shape)
+    return (
+        past is not None
+        and input_ids.shape[-1] > 1
+        and mask is not None
+        and mask.dtype == torch.long
+        and mask.shape[-1] == past + input_ids.shape[-1]
+    )
+
+
+def read_prefill(
+    input_ids: torch.Tensor, mask: Any, limits: Limits, uncached_positions: str = "mask", past: int = 0
+) -> Settled:
+    """The values of the most common forward: a prefill without a cache (training, scoring, a loop's first forward)
+    given long ``input_ids`` and a long 2D mask as wide as them (or none), and no positions; or a chunk of a prefill
+    after ``past`` cached tokens, with the mask over the cached and new tokens.
+
+    The checks of :func:`_read_once` in as few operations as they take: on the CPU with NumPy over the tensors' own
+    memory (where every torch operation costs several microseconds), elsewhere with torch operations and one read.
+    Returns positions ``None`` where transformers' own are the mask's already (no left padding).  The repair it may
+    add (``positions_derived``, warned once on a prefill) is in the returned ``repairs``.
+    """
+    new = input_ids.shape[-1]
+    if NUMPY_ON_CPU and input_ids.device.type == "cpu" and (mask is None or mask.device.type == "cpu"):
+        ids = input_ids.numpy()  # CPU memory: nothing to wait for, nothing copied
+        low_id, high_id = ids.min(), ids.max()
+        if not (0 <= low_id and high_id < limits.vocab_size):
+            raise_token_id_error(input_ids, limits.vocab_size)
+        if mask is None:
+            return _UNCHANGED
+        steps = mask.numpy()
+        low_mask, high_mask = steps.min(), steps.max()
+        if low_mask == 1 and high_mask == 1:  # every token real: nothing else to learn
+            return _UNCHANGED
+        if not (0 <= low_mask and high_mask <= 1):
+            _raise_mask_value_error(mask)
+        if steps.shape[-1] < 2:  # one column: no step from a pad to a real token or back
+            return _UNCHANGED
+        step = steps[:, 1:] - steps[:, :-1]  # per row: +1 pad -> real, -1 real -> pad
+        lows, highs, last = step.min(-1).tolist(), step.max(-1).tolist(), steps[:, -1].tolist()
+    else:
+        rows = input_ids.shape[0]
+        if mask is None:
+            values = torch.stack(torch.aminmax(input_ids)).tolist()  # the one read
+            if not (0 <= values[0] and values[1] < limits.vocab_size):
+                raise_token_id_error(input_ids, limits.vocab_size)
+            return _UNCHANGED
+        if mask.shape == input_ids.shape:  # ids and mask: min, max
+            low, high = torch.aminmax(torch.stack((input_ids, mask)).view(2, -1), dim=-1)
+        else:  # a chunk: the mask covers the cache too
+            low, high = (torch.stack(pair) for pair in zip(torch.aminmax(input_ids), torch.aminmax(mask)))
+        parts = [low, high]
+        if mask.shape[-1] > 1:
+            parts += [*torch.aminmax(torch.diff(mask, dim=-1), dim=-1), mask[:, -1]]
+        values = torch.cat(parts).tolist()  # the one read
+        low_id, low_mask, high_id, high_mask = values[:4]
+        if not (0 <= low_id and high_id < limits.vocab_size):
+            raise_token_id_error(input_ids, limits.vocab_size)
+        if not (0 <= low_mask and high_mask <= 1):
+            _raise_mask_value_error(mask)
+        if mask.shape[-1] < 2:
+            return _UNCHANGED
+        lows, highs, last = values[4 : 4 + rows], values[4 + rows : 4 + 2 * rows], values[4 + 2 * rows :]
+    padded_after = min(lows, default=0) < 0  # a pad after a real token somewhere
+    right_padded = ()
+    if padded_after and not past:
+        right_padded = tuple(row for row in range(len(lows)) if lows[row] < 0 and not last[row])
+    if max(highs, default=0) <= 0 or (uncached_positions == "transformers" and not past):
+        # every real token sits at its column: transformers' own positions (arange) are the mask's already
+        return Settled(None, True, None, right_padded)
+    derived = Repair(POSITIONS_DERIVED, lambda: _from_mask_message(mask) if not past else "")
+    if padded_after:  # keep transformers' positions for pads after a row's last real token
+        return Settled(_mask_positions(mask, new, past, None), True, None, right_padded, (derived,))
+    return Settled((mask.cumsum(-1)[:, -new:] - 1).clamp_(min=0), True, None, right_padded, (derived,))
 
 
 # -- steps that read nothing -------------------------------------------------------------------------------------
@@ -168,38 +262,50 @@ def _without_reading(
 
 
 class _Reads:
-    """Values gathered for the one read of a step: each added tensor is flattened; :meth:`read` returns the values
-    by name."""
+    """Values gathered for the one read of a step, as 1-d tensors concatenated (integer dtypes promote to long) and
+    read with one ``tolist()``; :meth:`read` returns them by name."""
 
-    __slots__ = ("names", "parts", "sizes")
+    __slots__ = ("names", "parts")
 
     def __init__(self) -> None:
-        self.names: list[str] = []
+        self.names: list[tuple[str, int]] = []
         self.parts: list[torch.Tensor] = []
-        self.sizes: list[int] = []
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        flat = tensor.reshape(-1)
-        if flat.dtype != torch.long:
-            flat = flat.long()
-        self.names.append(name)
-        self.parts.append(flat)
-        self.sizes.append(flat.shape[0])
+    def min_max(self, name: str, tensor: torch.Tensor) -> None:
+        """``name_min`` and ``name_max``: the smallest and largest value of ``tensor``."""
+        low, high = torch.aminmax(tensor.reshape(1, -1), dim=-1)
+        self.parts += (low, high)
+        self.names += ((name + "_min", 0), (name + "_max", 0))
 
-    def add_min_max(self, name: str, tensor: torch.Tensor) -> None:
-        low, high = torch.aminmax(tensor)
-        self.add(name, torch.stack([low, high]) if low.dtype == torch.long else torch.stack([low, high]).long())
+    def rows_min_max(self, name: str, tensor: torch.Tensor) -> None:
+        """``name_min`` and ``name_max``: per row of a 2D ``tensor``, lists of its smallest and largest values."""
+        low, high = torch.aminmax(tensor, dim=-1)
+        self.parts += (low, high)
+        self.names += ((name + "_min", low.shape[0]), (name + "_max", high.shape[0]))
 
-    def read(self) -> dict[str, list[int]]:
-        if not self.parts:
+    def flag(self, name: str, tensor: torch.Tensor) -> None:
+        self.parts.append(tensor.reshape(1))
+        self.names.append((name, 0))
+
+    def vector(self, name: str, tensor: torch.Tensor) -> None:
+        self.parts.append(tensor)
+        self.names.append((name, tensor.shape[0]))
+
+    def read(self) -> dict[str, Any]:
+        parts = self.parts
+        if not parts:
             return {}
-        values = (torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]).tolist()  # the one read
-        out: dict[str, list[int]] = {}
+        values = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the one read
+        found: dict[str, Any] = {}
         start = 0
-        for name, size in zip(self.names, self.sizes):
-            out[name] = values[start : start + size]
-            start += size
-        return out
+        for name, size in self.names:  # size 0: a single value
+            if size:
+                found[name] = values[start : start + size]
+                start += size
+            else:
+                found[name] = values[start]
+                start += 1
+        return found
 
 
 def _read_once(
@@ -218,59 +324,60 @@ def _read_once(
 ) -> Settled:
     reads = _Reads()
     if input_ids is not None:
-        reads.add_min_max("ids", input_ids)
+        reads.min_max("ids", input_ids)
         if token_types is not None:
-            reads.add_min_max("types", token_types)
+            reads.min_max("types", token_types)
     if given and limits.max_positions is not None:
-        reads.add_min_max("positions", positions)
+        reads.min_max("positions", positions)
     prefill = past == 0
-    cumsum = real = None
+    cumsum = real = derived = wrong = None
     if mask is not None:
         if mask.dtype == torch.bool:
             steps = mask.to(torch.int8)
         elif mask.dtype.is_floating_point:
-            reads.add("mask_not_binary", ((mask != 0) & (mask != 1)).any())
-            steps = mask
+            reads.flag("mask_not_binary", ((mask != 0) & (mask != 1)).any())
+            steps = mask.long()
         else:
-            reads.add_min_max("mask", mask)
+            reads.min_max("mask", mask)
             steps = mask
-        if mask.shape[-1] > 1:  # +1 where a pad is followed by a real token (left padding), -1 the other way
-            reads.add_min_max("steps", steps[:, 1:] - steps[:, :-1])
-        if prefill:
-            reads.add("right_padded", mask[:, -1] < mask.amax(-1))
+        if mask.shape[-1] > 1:  # per row: +1 where a pad is followed by a real token (left padding), -1 the other way
+            reads.rows_min_max("steps", torch.diff(steps, dim=-1))
+            if prefill:  # with a real-to-pad step, a row ending in padding is right-padded
+                reads.vector("last", mask[:, -1])
     if compare and not prefill:
         truth = _step_truth(mask, new, past, positions)
         if truth is not None:
             derived, real = truth
             wrong = real & (positions != derived)
-            reads.add("wrong", wrong.any())
+            reads.flag("wrong", wrong.any())
     elif compare and mask is not None:  # prefill: rows whose positions count their left padding (arange)
         cumsum = mask.long().cumsum(-1)
         real = mask != 0
         leading = (cumsum == 0).sum(-1, keepdim=True)
         counts_pads = ((positions == cumsum - 1 + leading) | ~real).all(-1) & (leading[:, 0] > 0) & real.any(-1)
-        reads.add("counts_pads", counts_pads)
+        reads.vector("counts_pads", counts_pads)
     found = reads.read()
 
-    if found.get("ids") and not (0 <= found["ids"][0] and found["ids"][1] < limits.vocab_size):
+    if input_ids is not None and not (0 <= found["ids_min"] and found["ids_max"] < limits.vocab_size):
         raise_token_id_error(input_ids, limits.vocab_size)
-    if found.get("types") and not (0 <= found["types"][0] and found["types"][1] < limits.vocab_size):
+    if "types_min" in found and not (0 <= found["types_min"] and found["types_max"] < limits.vocab_size):
         raise_token_id_error(token_types, limits.vocab_size, name="token_type_ids")
-    if found.get("positions") and not (0 <= found["positions"][0] and found["positions"][1] < limits.max_positions):  # type: ignore[operator]
+    if "positions_min" in found and not (0 <= found["positions_min"] and found["positions_max"] < limits.max_positions):  # type: ignore[operator]
         raise_position_range_error(positions, limits.max_positions)  # type: ignore[arg-type]
-    if found.get("mask_not_binary", [0])[0] or (found.get("mask") and not (0 <= found["mask"][0] and found["mask"][1] <= 1)):
+    if found.get("mask_not_binary") or ("mask_min" in found and not (0 <= found["mask_min"] and found["mask_max"] <= 1)):
         _raise_mask_value_error(mask)
-    left_padded = bool(found.get("steps") and found["steps"][1] > 0)
-    right_padded = tuple(row for row, flag in enumerate(found.get("right_padded", ())) if flag)
+    left_padded = max(found.get("steps_max", (0,))) > 0
+    right_padded = ()
+    if "last" in found:
+        right_padded = tuple(row for row, (low, last) in enumerate(zip(found["steps_min"], found["last"])) if low < 0 and not last)
 
     if given:
-        if found.get("wrong", [0])[0]:
-            positions = _repair_cached(  # type: ignore[has-type]
-                positions, derived, wrong, past, mask is not None, policy.strict, repairs
+        if found.get("wrong"):
+            positions = _repair_cached(positions, derived, wrong, past, mask is not None, policy.strict, repairs)  # type: ignore[arg-type]
+        elif any(found.get("counts_pads", ())):
+            positions = _repair_counted_padding(
+                positions, mask, cumsum, real, found["counts_pads"], policy.strict, repairs  # type: ignore[arg-type]
             )
-        elif found.get("counts_pads") and any(found["counts_pads"]):
-            positions = _repair_counted_padding(positions, mask, cumsum, real, found["counts_pads"], policy.strict,
-                                                repairs)
         return Settled(positions, True, None, right_padded)
     if positions is not None or mask is None:  # made from shapes (no mask)
         return Settled(positions, True, None, right_padded)
@@ -280,10 +387,13 @@ def _read_once(
     if prefill:
         if policy.uncached_positions == "transformers":
             return Settled(None, True, None, right_padded)
-        repairs.append(Repair(POSITIONS_DERIVED, _from_mask_message(mask)))
+        repairs.append(Repair(POSITIONS_DERIVED, lambda: _from_mask_message(mask)))
     else:
         repairs.append(Repair(POSITIONS_DERIVED, ""))
-    return Settled(_mask_positions(mask, new, past, cache_position), True, None, right_padded)
+    if min(found.get("steps_min", (0,))) < 0:  # a pad after a real token somewhere: keep transformers' positions there
+        return Settled(_mask_positions(mask, new, past, cache_position), True, None, right_padded)
+    derived = mask.long().cumsum(-1)[:, -new:] - 1
+    return Settled(derived.clamp_(min=0), True, None, right_padded)
 
 
 def _from_mask_message(mask: torch.Tensor) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import weakref
 from typing import Any, Callable
 
@@ -57,6 +58,8 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     legacy_cache_rejected = adapter.LEGACY_CACHE_REJECTED
     read_cache = adapter.read_cache
     check_step = adapter.check_step
+    positions_kind = adapter.POSITIONS
+    takes_positions = "position_ids" in names or "position_ids" in inspect.signature(original).parameters
     listeners = _reports.listeners
     pending = _reports.pending
     right_padded = _RIGHT_PADDED
@@ -94,7 +97,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                     raise
         prefilled = None
         if len(args) <= 1 and first is not None and (args or "input_ids" in kwargs):
-            prefilled = plain_prefill(first, kwargs, limits)
+            prefilled = plain_prefill(first, kwargs, limits, positions_kind == "absolute")
             if prefilled is not None and prefilled.positions is None and not prefilled.right_padded:
                 # the usual forward without a cache (training, scoring, heads): values read, nothing to change
                 if listeners:
@@ -140,6 +143,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                 given is not None and _is_trusted(given),
                 False,
                 settings.uncached_positions,
+                positions_kind,
             )
             aligned = align(step, view, limits, policy)
             if aligned is None:
@@ -149,7 +153,8 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
             _reports.deliver(aligned.report)
         positions = aligned.position_ids
         kwargs["attention_mask"] = aligned.attention_mask
-        kwargs["position_ids"] = positions
+        if takes_positions:
+            kwargs["position_ids"] = positions
         if "token_type_ids" in kwargs:
             kwargs["token_type_ids"] = aligned.token_type_ids
         if "cache_position" in kwargs:
@@ -181,7 +186,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     return _mark(forward)
 
 
-def plain_prefill(input_ids: Any, kwargs: dict, limits: Limits) -> Any:
+def plain_prefill(input_ids: Any, kwargs: dict, limits: Limits, derive: bool = True) -> Any:
     """The values of a forward without a cache, positions, token types or embeddings (the usual training, scoring and
     classification call, and a loop's first forward), read by :func:`~neofix._core.read_prefill`; ``None`` for any
     other call (the general path aligns it).  Shapes are checked first, from the call's arguments alone."""
@@ -203,7 +208,7 @@ def plain_prefill(input_ids: Any, kwargs: dict, limits: Limits) -> Any:
         or not prefill_fits(0, None, None, input_ids, mask)
     ):
         return None
-    return read_prefill(input_ids, mask, limits, settings.uncached_positions)
+    return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive)
 
 
 def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple, kwargs: dict, adapter: Any) -> Any:
@@ -227,12 +232,13 @@ def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple
         kwargs.get("token_type_ids"),
         kwargs.get("cache_position"),
     )
-    policy = Policy(settings.strict, False, False, True, settings.uncached_positions)
+    policy = Policy(settings.strict, False, False, True, settings.uncached_positions, adapter.POSITIONS)
     aligned = align(step, view, adapter.limits(self.config), policy)
     if aligned is None:
         return original(self, **kwargs)
     kwargs["attention_mask"] = aligned.attention_mask
-    kwargs["position_ids"] = aligned.position_ids
+    if "position_ids" in kwargs or aligned.position_ids is not None:
+        kwargs["position_ids"] = aligned.position_ids
     if "token_type_ids" in kwargs:
         kwargs["token_type_ids"] = aligned.token_type_ids
     if "cache_position" in kwargs:

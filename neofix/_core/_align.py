@@ -110,7 +110,9 @@ def align(step: StepInputs, cache: CacheView, limits: Limits, policy: Policy = P
     mask, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs)
     token_types, cache_position = align_side_inputs(step, new, total, strict, repairs)
     first = step.input_ids if step.input_ids is not None else step.inputs_embeds
-    positions, given = align_positions(step.position_ids, mask_2d, batch, new, cache.length, total, strict, repairs, first)
+    positions, given = align_positions(
+        step.position_ids, mask_2d, batch, new, cache.length, total, strict, repairs, first, policy.positions
+    )
     settled = settle(
         step.input_ids,
         token_types,
@@ -345,15 +347,16 @@ def align_positions(
     strict: bool,
     repairs: list[Repair],
     first: Any,
+    kind: str = "absolute",
 ) -> tuple[Any, bool]:
-    """The positions after the shape rules, and whether they are the caller's.
+    """The positions after the shape rules, and whether they are the caller's (``kind``: see :class:`Policy`).
 
     ``(given positions of q columns, True)``, or ``(None, False)`` to derive them from the 2D mask in the value step
     (or leave them to the model where there is none), or ``(positions made from shapes, False)``: positions of
     another length with no 2D mask, where every token is real and positions continue after the cache.
     """
-    if positions is None:
-        return None, False
+    if positions is None or kind == "none":  # none given, or a family that takes none (left for the model to refuse)
+        return positions, False
     dims = positions.dim()
     if dims not in (1, 2):
         raise PositionError(f"position_ids has shape {tuple(positions.shape)}; expected (batch, new_tokens)")
@@ -377,6 +380,12 @@ def align_positions(
     if total is not None and length == total:
         repairs.append(Repair(POSITIONS_SLICED, ""))
         return positions[..., -new:], True
+    if kind == "rotary":
+        raise PositionError(
+            f"{described}: with rotary positions the new tokens must continue the positions the cache was built with "
+            f"(transformers' own, counting left padding, or the mask's), which stale positions do not tell: "
+            f"{FIX_POSITIONS}"
+        )
     repairs.append(
         Repair(
             POSITIONS_REDERIVED,
@@ -384,7 +393,7 @@ def align_positions(
             f"your loop: {FIX_POSITIONS}. Reported once.",
         )
     )
-    if mask_2d or past is None:
+    if mask_2d or past is None or kind == "mask":
         return None, False
     # no 2D mask: every token is real, so positions simply continue after the cache
     return torch.arange(past, total, device=first.device).unsqueeze(0), False  # type: ignore[arg-type]

@@ -72,8 +72,17 @@ class Policy(NamedTuple):
     ``trusted_positions``: the positions were built from the mask by transformers' generate (no need to compare).
     ``compiling``: inside ``torch.compile``: shapes only, nothing read off the device, nothing reported.
     ``uncached_positions``: ``"mask"`` derives the positions of a left-padded forward without a cache from the mask;
-    ``"transformers"`` leaves transformers' own there.  ``absolute_positions``: the family looks positions up in a
-    table, so their values matter on their own (not only their differences).
+    ``"transformers"`` leaves transformers' own there.  ``positions``: what positions mean to the model family:
+
+    * ``"absolute"`` (GPT-Neo, GPT-2): looked up in a table, so their values matter on their own.  Missing ones are
+      derived from the mask; given ones are compared with the mask's; stale ones are derived again.
+    * ``"mask"`` (OPT): absolute, but the model derives missing ones from the mask itself.  Given ones are compared
+      with the mask's; stale ones are dropped (the model derives them).
+    * ``"rotary"`` (GPT-J, CodeGen, GPT-NeoX): only differences matter, so transformers' own positions (which count
+      left padding) are as right as the mask's, and a cache built with either must be continued with the same: given
+      positions are left as they are (range-checked), missing ones left to the model; stale ones cannot be told
+      apart from either scheme: an error.
+    * ``"none"`` (BLOOM, ALiBi): the model takes no positions; they are left alone.
     """
 
     strict: bool = False
@@ -81,7 +90,7 @@ class Policy(NamedTuple):
     trusted_positions: bool = False
     compiling: bool = False
     uncached_positions: str = "mask"
-    absolute_positions: bool = True
+    positions: str = "absolute"
 
 
 class Report(NamedTuple):

@@ -71,7 +71,17 @@ def settle(
     """
     decode = new == 1 and past != 0
     # generate's own positions are compared on its prefill only (they may be the caller's), not on its decode steps
-    compare = given and policy.absolute_positions and (not policy.trusted_positions or past == 0)
+    kind = policy.positions
+    compare = given and kind in ("absolute", "mask") and (not policy.trusted_positions or past == 0)
+    if not given and kind != "absolute":  # positions the model makes itself (from the mask, or counting from 0)
+        if policy.compiling or (decode and not policy.check_values):
+            return Settled(positions, False, None, ())
+        if prefill_fits(past, positions, token_types, input_ids, mask):
+            return read_prefill(input_ids, mask, limits, policy.uncached_positions, past, derive=False)  # type: ignore[arg-type]
+        return _read_once(
+            input_ids, token_types, positions, given, False, mask, new, past, cache_position, limits, policy, repairs,
+            derive=False,
+        )
     if policy.compiling:
         return Settled(_without_reading(positions, given, compare, mask, new, past, cache_position), False, None, ())
     if decode and not policy.check_values and not (compare and policy.strict):
@@ -113,7 +123,12 @@ def prefill_fits(past: int | None, positions: Any, token_types: Any, input_ids: 
 
 
 def read_prefill(
-    input_ids: torch.Tensor, mask: Any, limits: Limits, uncached_positions: str = "mask", past: int = 0
+    input_ids: torch.Tensor,
+    mask: Any,
+    limits: Limits,
+    uncached_positions: str = "mask",
+    past: int = 0,
+    derive: bool = True,
 ) -> Settled:
     """The values of the most common forward: a prefill without a cache (training, scoring, a loop's first forward)
     given long ``input_ids`` and a long 2D mask as wide as them (or none), and no positions; or a chunk of a prefill
@@ -169,7 +184,7 @@ def read_prefill(
     right_padded = ()
     if padded_after and not past:
         right_padded = tuple(row for row in range(len(lows)) if lows[row] < 0 and not last[row])
-    if max(highs, default=0) <= 0 or (uncached_positions == "transformers" and not past):
+    if max(highs, default=0) <= 0 or (uncached_positions == "transformers" and not past) or not derive:
         # every real token sits at its column: transformers' own positions (arange) are the mask's already
         return Settled(None, True, None, right_padded)
     derived = Repair(POSITIONS_DERIVED, lambda: _from_mask_message(mask) if not past else "")
@@ -321,6 +336,7 @@ def _read_once(
     limits: Limits,
     policy: Policy,
     repairs: list[Repair],
+    derive: bool = True,
 ) -> Settled:
     reads = _Reads()
     if input_ids is not None:
@@ -379,7 +395,7 @@ def _read_once(
                 positions, mask, cumsum, real, found["counts_pads"], policy.strict, repairs  # type: ignore[arg-type]
             )
         return Settled(positions, True, None, right_padded)
-    if positions is not None or mask is None:  # made from shapes (no mask)
+    if positions is not None or mask is None or not derive:  # made from shapes (no mask), or the model's to make
         return Settled(positions, True, None, right_padded)
     if not left_padded:
         # every real token sits at its column: transformers' own positions (arange) are the mask's already

@@ -29,6 +29,9 @@ ATTENTION_GETS_LAYER_PAIRS = _compat.release() < (4, 45)
 #: GPT-Neo embeds ``token_type_ids`` with its token embedding: they are token ids, range-checked against the vocab.
 TOKEN_TYPES_ARE_IDS = True
 
+#: Learned absolute positions (see neofix._core.Policy).
+POSITIONS = "absolute"
+
 
 def limits(config: Any) -> Limits:
     heads = config.num_heads

@@ -27,6 +27,7 @@ from ._errors import (
     SequenceTooLongError,
     TokenIdError,
 )
+from ._families import FAMILIES as _FAMILY_DECLARATIONS
 from ._lifecycle import is_patched, patch, patched, unpatch, unpatched
 from ._version import __version__
 
@@ -35,7 +36,11 @@ if TYPE_CHECKING:
     from typing import Any
 del TYPE_CHECKING
 
+#: The model families neofix patches, by name: what ``neofix.patch(families=...)`` and ``NEOFIX_FAMILIES`` take.
+FAMILIES = tuple(_FAMILY_DECLARATIONS)
+
 __all__ = [
+    "FAMILIES",
     "AttentionWindowError",
     "BatchMismatchError",
     "CacheLengthError",

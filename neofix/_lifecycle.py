@@ -45,6 +45,7 @@ class _Applied:
 _applied: dict[str, list[_Applied]] = {}  # family name -> what neofix installed there
 _status: dict[str, tuple[str, str]] = {}  # target name -> (state, reason)
 _hooks_enabled = True  # False after unpatch(): the import hooks no longer patch on their own
+_enabled: frozenset[str] = frozenset(FAMILIES)  # the families patch() and the import hooks patch (NEOFIX_FAMILIES)
 # (family, target) -> (the original it wrapped, the factory, the wrapper): patching again over the same original
 # reinstalls the very same function, so that whatever keyed on it (torch.compile's guards, a reference) stays valid
 _built: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
@@ -55,17 +56,26 @@ def is_patched() -> bool:
     return any(_applied.values())
 
 
-def patch() -> bool:
+def patch(families: Any = None) -> bool:
     """Install neofix on transformers (importing the modeling modules it patches, if needed).
+
+    ``families``: the model families to patch, by name (``"gpt_neo"``, ``"gpt2"``, ...; see ``neofix.FAMILIES``);
+    default: those ``NEOFIX_FAMILIES`` names, else every family.  Families not named are left alone (and a family
+    patched before stays patched: ``unpatch()`` removes them all).
 
     Returns True when this call installed the patch, False when it was already installed or could not be (an
     unsupported transformers, or none: a :class:`~neofix.NeofixWarning` says which).  Idempotent.
     """
-    global _hooks_enabled
+    global _hooks_enabled, _enabled
+    chosen = _chosen(families, "neofix.patch(families=...)") if families is not None else _enabled
     with _lock:
         _hooks_enabled = True
+        if families is not None:
+            _enabled = chosen
         installed = False
         for family in FAMILIES.values():
+            if family.name not in chosen:
+                continue
             if _applied.get(family.name):
                 continue
             try:
@@ -120,9 +130,26 @@ def status() -> list[tuple[str, str, str]]:
         for family in FAMILIES.values():
             for target in family.targets:
                 name = target_name(family, target)
-                state, reason = _status.get(name, ("unpatched", "neofix is not applied"))
-                rows.append((name, state, reason))
+                unpatched = (
+                    ("unpatched", "neofix is not applied")
+                    if family.name in _enabled
+                    else ("unpatched", f"{family.title} is not among the families patched (NEOFIX_FAMILIES or "
+                                       f"neofix.patch(families=...))")
+                )
+                rows.append((name, *_status.get(name, unpatched)))
         return rows
+
+
+def _chosen(names: Any, where: str) -> frozenset[str]:
+    """The family names ``names`` (an iterable of names, or one comma-separated string), checked."""
+    if isinstance(names, str):
+        names = [name.strip() for name in names.split(",") if name.strip()]
+    chosen = frozenset(names)
+    unknown = sorted(chosen - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"{where}: unknown model famil{'ies' if len(unknown) > 1 else 'y'} {unknown}; choose from "
+                         f"{sorted(FAMILIES)}")
+    return chosen
 
 
 def target_name(family: Family, target: Target) -> str:
@@ -165,22 +192,22 @@ class unpatched:
         _restore_state(self._saved)
 
 
-def _save() -> tuple[bool, bool, set[str]]:
+def _save() -> tuple[frozenset[str], bool, set[str], frozenset[str]]:
     with _lock, _errors._warned_lock:
-        return is_patched(), _hooks_enabled, set(_errors._warned)
+        patched = frozenset(name for name, applied in _applied.items() if applied)
+        return patched, _hooks_enabled, set(_errors._warned), _enabled
 
 
-def _restore_state(saved: tuple[bool, bool, set[str]]) -> None:
-    global _hooks_enabled
-    was_patched, hooks_enabled, warned = saved
+def _restore_state(saved: tuple[frozenset[str], bool, set[str], frozenset[str]]) -> None:
+    global _hooks_enabled, _enabled
+    patched, hooks_enabled, warned, enabled = saved
     with _lock:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NeofixWarning)
-            if was_patched:
-                patch()
-            else:
-                unpatch()
-        _hooks_enabled = hooks_enabled
+            unpatch()
+            if patched:
+                patch(patched)
+        _hooks_enabled, _enabled = hooks_enabled, enabled
     with _errors._warned_lock:
         _errors._warned.clear()
         _errors._warned.update(warned)
@@ -277,7 +304,7 @@ def _on_import(module: Any) -> None:
     if family is None:
         return
     with _lock:
-        if _applied.get(family.name) or not _hooks_enabled:
+        if _applied.get(family.name) or not _hooks_enabled or family.name not in _enabled:
             return
         try:
             _apply(family, module)
@@ -287,13 +314,22 @@ def _on_import(module: Any) -> None:
 
 def register() -> None:
     """Called once by ``import neofix``: read the environment and register the post-import hooks."""
+    global _enabled
     from ._config import load_environment
 
     load_environment()
     if os.environ.get("NEOFIX_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
         return
+    names = os.environ.get("NEOFIX_FAMILIES", "").strip()
+    if names:
+        try:
+            _enabled = _chosen(names, f"NEOFIX_FAMILIES={names!r}")
+        except ValueError as exc:  # an environment variable never crashes an import
+            _warn(f"{exc}; patching every family")
     waiting = []
     for family in FAMILIES.values():
+        if family.name not in _enabled:
+            continue
         if family.module in sys.modules:  # transformers already loaded the module: wrapt's hook fires at once
             _register_hook(family.module)
         else:

@@ -138,22 +138,28 @@ def _integer(value: torch.Tensor, name: str, where: str) -> None:
 class DecodeState:
     """Keeps the tokens, attention mask, positions and KV cache of a hand-written decoding loop in step.
 
-    ``DecodeState(input_ids, attention_mask=None)`` starts from a prompt of shape (batch, length); left padding
-    (mask 0 on the left) is allowed, and without a mask every token is real.
+    ``DecodeState(input_ids, attention_mask=None, *, model=None)`` starts from a prompt of shape (batch, length); left
+    padding (mask 0 on the left) is allowed, and without a mask every token is real.  ``model``, the model the loop
+    calls, tells which arguments it takes (positions or not, the cache keyword); without it the state prepares
+    GPT-Neo's, which GPT-2, GPT-J, CodeGen and GPT-NeoX take too.
 
     * :meth:`model_inputs` returns the keyword arguments of the next forward: the tokens the cache does not hold
-      yet, the mask over cached plus new tokens, their positions (``cumsum(mask) - 1``, pads at 0), the cache under
-      the keyword the installed transformers takes (``cache`` on 5.x, ``past_key_values`` before) and
-      ``use_cache=True``.
+      yet, the mask over cached plus new tokens, their positions (``cumsum(mask) - 1``, pads at 0; not for a model
+      that takes none, such as BLOOM), the cache under the keyword the model takes (``cache`` on recent 5.x releases,
+      ``past_key_values`` before) and ``use_cache=True``.
     * :meth:`advance` appends one token per row and takes the cache the forward returned.
     * :meth:`reorder` selects rows (beam search).  :meth:`check` validates a cache against the state.
 
     Correct with or without neofix's patch: the state itself derives everything the patch would repair.
     """
 
-    __slots__ = ("_sequences", "_mask", "_cache", "_cached", "_awaiting", "_pending", "_pending_batch")
+    __slots__ = (
+        "_sequences", "_mask", "_cache", "_cached", "_awaiting", "_pending", "_pending_batch", "_keyword", "_positions"
+    )
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, model: Any = None
+    ) -> None:
         where = "DecodeState"
         ids = _tensor(input_ids, "input_ids", where)
         _integer(ids, "input_ids", where)
@@ -201,6 +207,18 @@ class DecodeState:
         self._awaiting = False  # model_inputs() was handed out and advance() has not been called since
         self._pending: torch.Tensor | None = None  # reorder to apply to the cache the current forward returns
         self._pending_batch = 0
+        # the keyword the model takes its cache under, and whether it takes positions (ALiBi models do not)
+        self._keyword: str | None = None
+        self._positions = True
+        if model is not None:
+            import inspect
+
+            forward = getattr(type(model), "forward", None)
+            if forward is None:
+                raise TypeError(f"{where}: model must be a transformers model, got {type(model).__name__}")
+            parameters = inspect.signature(forward).parameters
+            self._keyword = _caches.keyword(forward)
+            self._positions = "position_ids" in parameters
 
     # -- reading ----------------------------------------------------------------------------------------------------
 
@@ -229,11 +247,12 @@ class DecodeState:
         inputs: dict[str, Any] = {
             "input_ids": self._sequences[:, self._cached :],
             "attention_mask": self._mask,
-            "position_ids": derive_positions(self._mask, new),
             "use_cache": True,
         }
+        if self._positions:
+            inputs["position_ids"] = derive_positions(self._mask, new)
         if self._cache is not None:
-            inputs[_cache_keyword()] = self._cache
+            inputs[self._keyword or _cache_keyword()] = self._cache
         self._awaiting = True
         return inputs
 

@@ -158,24 +158,29 @@ def _from_call(index: int, module: Any, args: tuple, kwargs: dict) -> Step | Non
     )
 
 
-def _gpt_neo_model(model: Any) -> Any:
-    """The one ``GPTNeoModel`` inside ``model`` (or ``model`` itself)."""
-    import importlib
+def _base_model(model: Any) -> Any:
+    """The one base model of a family neofix patches inside ``model`` (or ``model`` itself): the module whose
+    forward every step of the model passes through (``GPTNeoModel`` for a ``GPTNeoForCausalLM``)."""
+    from ._families import FAMILIES
 
-    from ._families import GPT_NEO
-
-    gpt_neo_model = getattr(importlib.import_module(GPT_NEO.module), GPT_NEO.base_model)
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"neofix.trace needs a GPT-Neo model (a torch.nn.Module), got {type(model).__name__}")
-    found = [module for module in model.modules() if isinstance(module, gpt_neo_model)]
+        raise TypeError(f"neofix.trace needs a model (a torch.nn.Module), got {type(model).__name__}")
+    classes = tuple(
+        getattr(sys.modules[family.module], family.base_model)
+        for family in FAMILIES.values()
+        if family.module in sys.modules and hasattr(sys.modules[family.module], family.base_model)
+    )
+    found = [module for module in model.modules() if classes and isinstance(module, classes)]
+    names = ", ".join(family.base_model for family in FAMILIES.values())
     if not found:
         raise TypeError(
-            f"neofix.trace: {type(model).__name__} contains no transformers GPTNeoModel; pass a GPT-Neo model "
+            f"neofix.trace: {type(model).__name__} contains no transformers model neofix patches ({names}); pass one "
             f"(GPTNeoForCausalLM, GPTNeoModel, or a module holding one)"
         )
     if len(found) > 1:
         raise ValueError(
-            f"neofix.trace: {type(model).__name__} contains {len(found)} GPTNeoModels; pass the one to trace"
+            f"neofix.trace: {type(model).__name__} contains {len(found)} such models ({type(found[0]).__name__}, "
+            f"...); pass the one to trace"
         )
     return found[0]
 
@@ -198,7 +203,7 @@ def trace(model: Any) -> Iterator[list[Step]]:
     Traces nest.  With neofix patched, a step records what the patch aligned and repaired; unpatched, it records
     what the model was given.  Traced or compiled forwards (torch.jit, fx, torch.compile, export) are not recorded.
     """
-    target = _gpt_neo_model(model)
+    target = _base_model(model)
     steps: list[Step] = []
     lock = threading.Lock()
 

@@ -16,13 +16,16 @@ from typing import Any
 import torch
 
 __all__ = [
+    "FAMILY_CONFIGS",
     "assert_generation_consistent",
     "assert_steps_aligned",
     "reference_greedy",
     "reference_logits",
     "reference_positions",
+    "tiny_config",
     "tiny_gpt_neo",
     "tiny_gpt_neo_config",
+    "tiny_model",
 ]
 
 #: Defaults of :func:`tiny_gpt_neo_config`: global and local layers, a window of 4 so that short tests cross it.
@@ -81,6 +84,48 @@ def tiny_gpt_neo(seed: int = 0, dtype: torch.dtype = torch.float32, **config_ove
     return model.to(dtype).eval()
 
 
+#: Per model family: its config class and causal-LM class in transformers, and the config of its tiny model: a few
+#: layers of width 32, a vocabulary of 96 and 64 positions (where the family has a table), token 0 as bos, eos and pad.
+FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM", TINY_CONFIG),
+}
+
+
+def tiny_config(family: str = "gpt_neo", **overrides: Any) -> Any:
+    """The config of a tiny model of ``family`` (a key of :data:`FAMILY_CONFIGS`), with ``overrides``."""
+    if family == "gpt_neo":
+        return tiny_gpt_neo_config(**overrides)
+    if family not in FAMILY_CONFIGS:
+        raise ValueError(f"neofix.testing: no tiny model for family {family!r}; choose from {sorted(FAMILY_CONFIGS)}")
+    import transformers
+
+    config_class, _, values = FAMILY_CONFIGS[family]
+    return getattr(transformers, config_class)(**{**values, **overrides})
+
+
+def tiny_model(family: str = "gpt_neo", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+    """An eval-mode, randomly initialised causal LM of ``family`` built from :func:`tiny_config` (no download).
+
+    The weights depend only on ``seed`` and the config; the output layer is sharpened so that greedy decoding never
+    sits on a near-tie, which lets tests compare tokens exactly.  ``tiny_model("gpt_neo")`` is :func:`tiny_gpt_neo`.
+    """
+    if family == "gpt_neo":
+        return tiny_gpt_neo(seed, dtype, **overrides)
+    import transformers
+
+    config = tiny_config(family, **overrides)
+    model_class = getattr(transformers, FAMILY_CONFIGS[family][1])
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = model_class(config)
+    finally:
+        torch.random.set_rng_state(state)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(SHARPEN)
+    return model.to(dtype).eval()
+
+
 def reference_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """``(cumsum(mask) - 1).clamp(min=0)``: the position of every column of a 2D mask, pads at 0."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -91,12 +136,16 @@ def reference_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     """Logits of one cache-free forward over the whole sequence, with mask-derived positions."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=reference_positions(attention_mask),
-        use_cache=False,
-    ).logits
+    kwargs = {}
+    if _takes_positions(model):  # a model without position_ids (ALiBi, or derived from the mask) reads the mask
+        kwargs["position_ids"] = reference_positions(attention_mask)
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+
+
+def _takes_positions(model: Any) -> bool:
+    import inspect
+
+    return "position_ids" in inspect.signature(type(model).forward).parameters
 
 
 @torch.no_grad()

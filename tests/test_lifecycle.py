@@ -385,3 +385,47 @@ def test_unpatch_refuses_when_another_library_wrapped_over_neofix():
         cls.forward = ours
     assert neofix.unpatch() is True  # with the outer wrapper gone, unpatch is exact again
     assert "forward" not in vars(cls) or not hasattr(vars(cls)["forward"], "__neofix_wrapper__")
+
+
+# -- which families are patched -----------------------------------------------------------------------------------------
+
+
+def test_patch_takes_the_families_to_patch():
+    assert neofix.FAMILIES[0] == "gpt_neo" and len(set(neofix.FAMILIES)) == len(neofix.FAMILIES)
+    neofix.unpatch()
+    try:
+        assert neofix.patch(families=[]) is False  # none named: nothing patched
+        assert not neofix.is_patched()
+        rows = {name: (state, reason) for name, state, reason in _lifecycle.status()}
+        assert rows["GPTNeoModel.forward"][0] == "unpatched"
+        assert "GPT-Neo is not among the families patched" in rows["GPTNeoModel.forward"][1]
+        _lifecycle._on_import(modeling_gpt_neo)  # the import hook leaves a family not named alone too
+        assert not neofix.is_patched()
+        assert neofix.patch(families="gpt_neo") is True  # a comma-separated string works as well
+        assert neofix.is_patched()
+    finally:
+        neofix.patch(families=neofix.FAMILIES)
+    with pytest.raises(ValueError, match=r"unknown model family \['gpt5'\]; choose from \['gpt_neo'"):
+        neofix.patch(families=["gpt_neo", "gpt5"])
+
+
+def test_neofix_families_environment():
+    out, _ = run_python(
+        """
+        import json, neofix
+        from transformers import GPTNeoForCausalLM
+        print(json.dumps(neofix.is_patched()))
+        """,
+        NEOFIX_FAMILIES="gpt_neo",
+    )
+    assert out is True
+    out, err = run_python(
+        """
+        import json, neofix
+        from transformers import GPTNeoForCausalLM
+        print(json.dumps(neofix.is_patched()))
+        """,
+        NEOFIX_FAMILIES="gpt_neo,nonsense",
+    )
+    assert out is True  # an unknown name is said, and every family patched
+    assert "NEOFIX_FAMILIES='gpt_neo,nonsense': unknown model family ['nonsense']" in err

@@ -145,6 +145,7 @@ def reference_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.
 def _takes_positions(model: Any) -> bool:
     import inspect
 
+    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model: the model it compiled
     return "position_ids" in inspect.signature(type(model).forward).parameters
 
 

@@ -57,11 +57,15 @@ def requires(feature: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(not has(feature), reason=f"{reason}; installed: transformers {TF}")
 
 
-def cache_keyword() -> str:
-    """The keyword the installed GPT-Neo takes its cache under."""
-    from transformers import GPTNeoForCausalLM
+def cache_keyword(model=None) -> str:
+    """The keyword a model (default: the installed GPT-Neo) takes its cache under."""
+    if model is None:
+        from transformers import GPTNeoForCausalLM
 
-    return "cache" if "cache" in inspect.signature(GPTNeoForCausalLM.forward).parameters else "past_key_values"
+        model = GPTNeoForCausalLM
+    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model: the model it compiled
+    forward = type(model).forward if not isinstance(model, type) else model.forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def output_cache(outputs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from neofix.testing import reference_positions
+from neofix.testing import _takes_positions, reference_positions
 
 from ._versions import as_cache_object, cache_keyword, legacy, output_cache
 
@@ -45,7 +45,8 @@ def decode(
     cache_format "native" (what the model returned) | "legacy" (tuples) | "object" (a DynamicCache).
     chunks      split points: the prompt is fed in pieces with the cache (chunked prefill).
     """
-    keyword = cache_keyword()
+    keyword = cache_keyword(model)
+    takes_positions = _takes_positions(model)
     prompt_mask = mask
     full_mask = mask
     cache = None
@@ -63,7 +64,9 @@ def decode(
         kwargs = {"input_ids": new, "use_cache": True}
         if pass_mask:
             kwargs["attention_mask"] = step_mask if mask_mode == "synced" else prompt_mask
-        if positions == "correct":
+        if not takes_positions:  # a model that takes no positions (ALiBi): nothing to pass
+            pass
+        elif positions == "correct":
             kwargs["position_ids"] = reference_positions(step_mask)[:, -new.shape[1]:]
         elif positions == "full":
             kwargs["position_ids"] = reference_positions(step_mask)

@@ -1,0 +1,280 @@
+"""The step contract for every model family neofix patches, on the installed transformers release.
+
+One set of scenarios, run per family on a tiny random model of it (``neofix.testing.tiny_model``, float64, built
+from a config): hand-written loops (a stale mask, left padding without positions, stale positions, a sequence past
+the position table, a token id past the vocabulary, a mask of another batch, a mask longer than cache plus input),
+``generate`` parity with vanilla (greedy, beam, sampling, assisted, prompt lookup) and with the full-recompute
+reference, and what must never break (training, a classification head, torch.jit, torch.compile, torch.export).
+
+Families differ in what positions mean (``POSITIONS`` of their adapter, see ``neofix._core.Policy``): learned
+absolute positions (GPT-Neo, GPT-2) are derived and repaired; OPT derives them from the mask itself; rotary positions
+(GPT-J, CodeGen, GPT-NeoX) only need to be consistent, so left padding is harmless and stale positions are an error
+(which positions the cache was built with cannot be told); ALiBi (BLOOM) takes none.  And in whether a sequence past
+the position table is an error (it is not where the model extrapolates: GPT-NeoX from 4.45, BLOOM).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import neofix
+from neofix._families import FAMILIES
+from neofix.testing import FAMILY_CONFIGS, reference_greedy, tiny_model
+
+from ._versions import cache_keyword, output_cache, requires
+from .loops import decode, left_padded_batch
+
+STEPS = 5
+#: families with a tiny model on the installed release (a family newer than the release is skipped, with why)
+NAMES = [name for name in FAMILIES if name in FAMILY_CONFIGS]
+
+
+def available(name):
+    config_class = FAMILY_CONFIGS[name][0]
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def family(request):
+    available(request.param)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def adapter(family):
+    importlib.import_module(FAMILIES[family].module)  # the import hook patches it
+    return FAMILIES[family].load_adapter()
+
+
+@pytest.fixture(scope="module")
+def lm(family):
+    return tiny_model(family, seed=0, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def lm32(family):
+    """float32, for vanilla runs and the tracing paths."""
+    return tiny_model(family, seed=0, dtype=torch.float32)
+
+
+def reference(model, ids, mask, steps=STEPS):
+    return reference_greedy(model, ids, mask, steps)[:, ids.shape[1] :]
+
+
+def said(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
+
+
+def run(call):
+    """``call()`` with every warning recorded: (result or exception, NeofixWarning messages)."""
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        try:
+            result = call()
+        except Exception as exc:  # noqa: BLE001 - the outcome is asserted
+            result = exc
+    return result, said(caught)
+
+
+def table_size(model):
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        size = getattr(config, name, None)
+        if isinstance(size, int):
+            return size
+    return None
+
+
+# -- hand-written loops ---------------------------------------------------------------------------------------------
+
+
+def test_the_family_is_patched(family, lm):
+    base = getattr(importlib.import_module(FAMILIES[family].module), FAMILIES[family].base_model)
+    assert getattr(base.forward, "__neofix_wrapper__", False), f"{FAMILIES[family].base_model}.forward is not patched"
+
+
+def test_synced_left_padded_loop(lm):
+    ids, mask = left_padded_batch([6, 3, 5])
+    tokens, _ = run(lambda: decode(lm, ids, mask, STEPS))
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, reference(lm, ids, mask))
+
+
+def test_stale_mask_is_extended(lm):
+    ids, mask = left_padded_batch([6, 3, 5])
+    tokens, messages = run(lambda: decode(lm, ids, mask, STEPS, mask_mode="stale", positions="correct"))
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, reference(lm, ids, mask))
+    assert any("extended it with ones on the right" in m for m in messages), messages
+
+
+def test_stale_positions(lm, adapter):
+    ids, mask = left_padded_batch([6, 3])
+    tokens, messages = run(lambda: decode(lm, ids, mask, STEPS, positions="stale"))
+    if adapter.POSITIONS == "none":  # takes no positions: the loop passes none
+        assert torch.equal(tokens, reference(lm, ids, mask))
+    elif adapter.POSITIONS == "rotary":  # which positions the cache was built with cannot be told
+        assert isinstance(tokens, neofix.PositionError), tokens
+        assert "with rotary positions the new tokens must continue the positions the cache was built with" in str(
+            tokens
+        )
+    else:
+        assert isinstance(tokens, torch.Tensor), tokens
+        assert torch.equal(tokens, reference(lm, ids, mask))
+        assert any("derived them from the attention mask instead" in m for m in messages), messages
+
+
+def test_past_the_position_table(lm, adapter):
+    size = table_size(lm)
+    limit = adapter.limits(lm.config).max_positions
+    ids = torch.randint(1, 96, (1, size - 2), generator=torch.Generator().manual_seed(1))
+    tokens, _ = run(lambda: decode(lm, ids, torch.ones_like(ids), 4))
+    if limit is None:  # the model extrapolates: no error, and nothing changed
+        assert isinstance(tokens, torch.Tensor), tokens
+        with neofix.unpatched():
+            plain, _ = run(lambda: decode(lm, ids, torch.ones_like(ids), 4))
+        assert torch.equal(tokens, plain)
+    else:
+        assert isinstance(tokens, neofix.SequenceTooLongError), tokens
+        assert f"is {limit}: 0 more new tokens fit" in str(tokens)
+
+
+def test_token_id_past_the_vocabulary(lm):
+    ids, mask = left_padded_batch([6, 3])
+    ids[0, -1] = lm.config.vocab_size
+    tokens, _ = run(lambda: decode(lm, ids, mask, STEPS))
+    assert isinstance(tokens, neofix.TokenIdError), tokens
+    assert f"input_ids[0, 5] is {lm.config.vocab_size}" in str(tokens)
+
+
+def test_mask_of_another_batch(lm):
+    ids, mask = left_padded_batch([6, 3])
+    tokens, _ = run(lambda: decode(lm, ids, mask[:1], STEPS))
+    assert isinstance(tokens, neofix.BatchMismatchError), tokens
+
+
+def test_mask_longer_than_cache_and_input(lm):
+    ids, mask = left_padded_batch([6, 3])
+    key = cache_keyword(lm)
+
+    def step():
+        out = lm(input_ids=ids, attention_mask=mask, use_cache=True)
+        longer = torch.cat([mask, mask.new_ones(2, 3)], -1)
+        return lm(input_ids=ids[:, -1:], attention_mask=longer, use_cache=True, **{key: output_cache(out)})
+
+    out, _ = run(step)
+    assert isinstance(out, neofix.MaskLengthError), out
+    assert "A longer mask is ambiguous" in str(out)
+
+
+# -- generate parity ----------------------------------------------------------------------------------------------------
+
+
+def generate(model, ids, mask, **kwargs):
+    kwargs.setdefault("max_new_tokens", STEPS)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, pad_token_id=0, **kwargs)
+
+
+def both(model, call):
+    patched = call(model)
+    with neofix.unpatched():
+        plain = call(model)
+    return patched, plain
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(do_sample=False, min_new_tokens=STEPS),
+        dict(do_sample=False, num_beams=3),
+        dict(do_sample=True, top_k=20, temperature=30.0, seed=7),
+    ],
+    ids=["greedy", "beam", "sampling"],
+)
+def test_generate_is_identical_to_vanilla(lm32, kwargs):
+    ids, mask = left_padded_batch([6, 3, 5], seed=3)
+    kwargs = dict(kwargs)
+    seed = kwargs.pop("seed", None)
+
+    def call(model):
+        if seed is not None:
+            torch.manual_seed(seed)
+        return generate(model, ids, mask, **kwargs)
+
+    patched, plain = both(lm32, call)
+    assert torch.equal(patched, plain)
+    if kwargs.get("num_beams", 1) == 1 and not kwargs.get("do_sample"):
+        assert torch.equal(patched, reference_greedy(lm32, ids, mask, STEPS))
+
+
+@requires("assisted decoding")
+def test_assisted_generate_is_identical_to_vanilla(family, lm32):
+    ids, mask = left_padded_batch([6], seed=5)
+    assistant = tiny_model(family, seed=7, dtype=torch.float32)
+    patched, plain = both(lm32, lambda m: generate(m, ids, mask, assistant_model=assistant, do_sample=False))
+    assert torch.equal(patched, plain)
+
+
+@requires("prompt lookup")
+def test_prompt_lookup_is_identical_to_vanilla(lm32):
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    mask = torch.ones_like(ids)
+    patched, plain = both(lm32, lambda m: generate(m, ids, mask, prompt_lookup_num_tokens=3, do_sample=False))
+    assert torch.equal(patched, plain)
+
+
+# -- never break --------------------------------------------------------------------------------------------------------
+
+
+def test_training_step_is_identical_to_vanilla(lm32):
+    ids = torch.randint(1, 96, (2, 7), generator=torch.Generator().manual_seed(11))
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    (loss, grads), (plain_loss, plain_grads) = both(lm32, step)
+    lm32.zero_grad(set_to_none=True)
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads)) and len(grads) == len(plain_grads)
+
+
+def test_jit_trace_is_identical_to_vanilla(lm32):
+    ids = torch.randint(1, 96, (2, 6), generator=torch.Generator().manual_seed(2))
+
+    class Plain(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=False)[0]
+
+    module = Plain(lm32)
+    inputs = (ids, torch.ones_like(ids))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' own tracer warnings
+        patched, plain = both(module, lambda m: torch.jit.trace(m, inputs, check_trace=False)(*inputs))
+    assert torch.equal(patched, plain)
+
+
+def test_compiled_forward_is_identical_to_eager(lm32):
+    ids = torch.randint(1, 96, (2, 6), generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lm32, backend="eager")
+        with torch.no_grad():
+            got = compiled(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+            expected = lm32(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, expected)

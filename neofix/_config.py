@@ -86,48 +86,25 @@ def configure(
 
 def load_environment(environ: Any = os.environ) -> None:
     """Apply ``NEOFIX_MODE``, ``NEOFIX_CHECK_VALUES``, ``NEOFIX_UNCACHED_POSITIONS`` and ``NEOFIX_TRACE``; warn (never
-    raise) on values it does not understand."""
-    mode = environ.get("NEOFIX_MODE")
-    if mode is not None and mode.strip():
-        value = mode.strip().lower()
-        if value in MODES:
-            configure(mode=value)
+    raise) on values it does not understand, pointing at the user's ``import neofix`` line."""
+    for variable, choices, default, apply in (
+        ("NEOFIX_MODE", MODES, "'repair'", lambda value: configure(mode=value)),
+        ("NEOFIX_CHECK_VALUES", None, "0", lambda value: configure(check_values=value)),
+        ("NEOFIX_UNCACHED_POSITIONS", POSITION_SOURCES, "'mask'", lambda value: configure(uncached_positions=value)),
+        ("NEOFIX_TRACE", None, "0", lambda value: setattr(settings, "log_steps", value)),
+    ):
+        given = environ.get(variable)
+        if given is None or (choices is not None and not given.strip()):
+            continue
+        value = given.strip().lower()
+        if choices is not None and value in choices:
+            apply(value)
+        elif choices is None and value in _TRUE + _FALSE:
+            apply(value in _TRUE)
         else:
+            expected = f"one of {choices}" if choices is not None else "a boolean (1/0, true/false)"
             warnings.warn(
-                f"NEOFIX_MODE={mode!r} is not one of {MODES}; using 'repair'",
+                f"{variable}={given!r} is not {expected}; using {default}",
                 NeofixWarning,
                 stacklevel=caller_stacklevel(),  # the user's `import neofix` line
-            )
-    check = environ.get("NEOFIX_CHECK_VALUES")
-    if check is not None:
-        value = check.strip().lower()
-        if value in _TRUE:
-            configure(check_values=True)
-        elif value not in _FALSE:
-            warnings.warn(
-                f"NEOFIX_CHECK_VALUES={check!r} is not a boolean (1/0, true/false); using 0",
-                NeofixWarning,
-                stacklevel=caller_stacklevel(),
-            )
-    source = environ.get("NEOFIX_UNCACHED_POSITIONS")
-    if source is not None and source.strip():
-        value = source.strip().lower()
-        if value in POSITION_SOURCES:
-            configure(uncached_positions=value)
-        else:
-            warnings.warn(
-                f"NEOFIX_UNCACHED_POSITIONS={source!r} is not one of {POSITION_SOURCES}; using 'mask'",
-                NeofixWarning,
-                stacklevel=caller_stacklevel(),
-            )
-    trace = environ.get("NEOFIX_TRACE")
-    if trace is not None:
-        value = trace.strip().lower()
-        if value in _TRUE:
-            settings.log_steps = True
-        elif value not in _FALSE:
-            warnings.warn(
-                f"NEOFIX_TRACE={trace!r} is not a boolean (1/0, true/false); using 0",
-                NeofixWarning,
-                stacklevel=caller_stacklevel(),
             )

@@ -72,15 +72,20 @@ def tiny_gpt_neo(seed: int = 0, dtype: torch.dtype = torch.float32, **config_ove
     """
     from transformers import GPTNeoForCausalLM
 
-    config = tiny_gpt_neo_config(**config_overrides)
+    return _built(GPTNeoForCausalLM, tiny_gpt_neo_config(**config_overrides), seed, dtype)
+
+
+def _built(model_class: Any, config: Any, seed: int, dtype: torch.dtype) -> Any:
+    """``model_class(config)`` initialised from ``seed`` (the global RNG left as it was), its output layer sharpened,
+    in ``dtype`` and eval mode."""
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = GPTNeoForCausalLM(config)
+        model = model_class(config)
     finally:
         torch.random.set_rng_state(state)
     with torch.no_grad():
-        model.lm_head.weight.mul_(SHARPEN)
+        model.get_output_embeddings().weight.mul_(SHARPEN)
     return model.to(dtype).eval()
 
 
@@ -113,17 +118,7 @@ def tiny_model(family: str = "gpt_neo", seed: int = 0, dtype: torch.dtype = torc
         return tiny_gpt_neo(seed, dtype, **overrides)
     import transformers
 
-    config = tiny_config(family, **overrides)
-    model_class = getattr(transformers, FAMILY_CONFIGS[family][1])
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = model_class(config)
-    finally:
-        torch.random.set_rng_state(state)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(SHARPEN)
-    return model.to(dtype).eval()
+    return _built(getattr(transformers, FAMILY_CONFIGS[family][1]), tiny_config(family, **overrides), seed, dtype)
 
 
 def reference_positions(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,21 @@ def derive_positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Ten
     return positions.clamp_(min=0)
 
 
+class _Step(NamedTuple):
+    """What the value step works on (see :func:`settle`)."""
+
+    input_ids: Any
+    token_types: Any
+    positions: Any
+    given: bool
+    mask: Any
+    new: int
+    past: int | None
+    cache_position: Any
+    limits: Limits
+    policy: Policy
+
+
 class Settled(NamedTuple):
     positions: Any
     values_read: bool
@@ -78,10 +93,8 @@ def settle(
             return Settled(positions, False, None, ())
         if prefill_fits(past, positions, token_types, input_ids, mask):
             return read_prefill(input_ids, mask, limits, policy.uncached_positions, past, derive=False)  # type: ignore[arg-type]
-        return _read_once(
-            input_ids, token_types, positions, given, False, mask, new, past, cache_position, limits, policy, repairs,
-            derive=False,
-        )
+        step = _Step(input_ids, token_types, positions, given, mask, new, past, cache_position, limits, policy)
+        return _read_once(step, False, repairs, derive=False)
     if policy.compiling:
         return Settled(_without_reading(positions, given, compare, mask, new, past, cache_position), False, None, ())
     if decode and not policy.check_values and not (compare and policy.strict):
@@ -97,8 +110,8 @@ def settle(
         settled = read_prefill(input_ids, mask, limits, policy.uncached_positions, past)  # type: ignore[arg-type]
         repairs += settled.repairs
         return settled
-    return _read_once(input_ids, token_types, positions, given, compare, mask, new, past, cache_position, limits,
-                      policy, repairs)
+    step = _Step(input_ids, token_types, positions, given, mask, new, past, cache_position, limits, policy)
+    return _read_once(step, compare, repairs)
 
 
 #: Read CPU tensors with NumPy (tests turn it off to run the torch path accelerators take, on the CPU).
@@ -323,21 +336,9 @@ class _Reads:
         return found
 
 
-def _read_once(
-    input_ids: Any,
-    token_types: Any,
-    positions: Any,
-    given: bool,
-    compare: bool,
-    mask: Any,
-    new: int,
-    past: int | None,
-    cache_position: Any,
-    limits: Limits,
-    policy: Policy,
-    repairs: list[Repair],
-    derive: bool = True,
-) -> Settled:
+def _read_once(step: _Step, compare: bool, repairs: list[Repair], derive: bool = True) -> Settled:
+    """Every value check of a step that may read (a prefill, a multi-token step, or one asked to read), in one read."""
+    input_ids, token_types, positions, given, mask, new, past, cache_position, limits, policy = step
     reads = _Reads()
     if input_ids is not None:
         reads.min_max("ids", input_ids)

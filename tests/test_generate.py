@@ -27,11 +27,8 @@ def both(run):
     """``run()`` patched and vanilla: (patched result, vanilla result).  Each run gets fresh inputs."""
     assert neofix.is_patched()
     patched = run()
-    neofix.unpatch()
-    try:
+    with neofix.unpatched():
         plain = run()
-    finally:
-        neofix.patch()
     return patched, plain
 
 
@@ -44,11 +41,8 @@ def generate(model, ids, mask, **kwargs):
 
 def without_cache(model, ids, mask, **kwargs):
     """Vanilla transformers' ``generate`` with ``use_cache=False``: the reference for beam search and sampling."""
-    neofix.unpatch()
-    try:
+    with neofix.unpatched():
         return generate(model, ids, mask, use_cache=False, **kwargs)
-    finally:
-        neofix.patch()
 
 
 @pytest.fixture(scope="module")

@@ -25,15 +25,13 @@ def reference(model, ids, mask, steps=STEPS):
 
 def vanilla_outcome(model, *args, **kwargs):
     """What unpatched transformers does: the tokens it produces, or the exception it raises."""
-    neofix.unpatch()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return decode(model, *args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - any failure is the vanilla behaviour we document
-        return exc
-    finally:
-        neofix.patch()
+    with neofix.unpatched():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return decode(model, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure is the vanilla behaviour we document
+            return exc
 
 
 def assert_vanilla_broken(outcome, expected):

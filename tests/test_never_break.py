@@ -93,11 +93,8 @@ def both(run: Callable[[], Any]) -> tuple[Run, Run]:
     first jit.script...) lands in the vanilla run: the patched run must not warn about anything vanilla did not.
     """
     assert neofix.is_patched()
-    neofix.unpatch()
-    try:
+    with neofix.unpatched():
         plain = capture(run)
-    finally:
-        neofix.patch()
     patched = capture(run)
     return patched, plain
 

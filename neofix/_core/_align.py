@@ -274,7 +274,7 @@ def align_mask(
                     if columns == new
                     else f"it covers the {past} cached tokens and only some of the {tokens(new)}"
                 )
-                + f". Pass the mask of exactly the cached plus the new tokens (torch.cat([mask_so_far, new_mask], -1))"
+                + ". Pass the mask of exactly the cached plus the new tokens (torch.cat([mask_so_far, new_mask], -1))"
             )
         if strict:
             raise MaskLengthError(f"{expected}. The mask was not extended for the new tokens: {FIX_MASK}")

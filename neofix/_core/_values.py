@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from numpy import diff as _np_diff
 
 from .._errors import MaskValueError, PositionError, TokenIdError
 from ._types import (
@@ -100,7 +99,7 @@ def settle(
     if decode and not policy.check_values and not (compare and policy.strict):
         if given:
             if compare:
-                return _repaired_on_device(positions, mask, past, repairs)
+                return _repaired_on_device(positions, mask, past)
             return Settled(positions, False, None, ())
         if mask is None:
             return Settled(positions, False, None, ())
@@ -258,7 +257,7 @@ def _step_truth(mask: Any, new: int, past: int | None, like: torch.Tensor) -> tu
     return derived, torch.ones_like(derived, dtype=torch.bool)
 
 
-def _repaired_on_device(positions: torch.Tensor, mask: Any, past: int | None, repairs: list[Repair]) -> Settled:
+def _repaired_on_device(positions: torch.Tensor, mask: Any, past: int | None) -> Settled:
     truth = _step_truth(mask, 1, past, positions)
     if truth is None:
         return Settled(positions, False, None, ())

@@ -75,7 +75,7 @@ class Report(NamedTuple):
 def run(
     model_path: str | None = None,
     strict: bool = False,
-    progress: Callable[[str], None] = lambda message: None,
+    progress: Callable[[str], None] = lambda _: None,
 ) -> Report:
     """Run the doctor; raise :class:`DoctorUsageError` when ``model_path`` is not a GPT-Neo checkpoint."""
     started = time.perf_counter()
@@ -317,8 +317,8 @@ def _judge(scenario: Any, reference: Any, vanilla: _Outcome, with_neofix: _Outco
         if error is not None or reference is None:
             cell = _accepted(with_neofix.tokens, reference)
         elif not matches:
-            cell = Cell("wrong_tokens", "wrong tokens, no error" if not scenario.parity else _parity_text(
-                with_neofix.tokens, reference, vanilla.tokens))
+            text = _parity_text(with_neofix.tokens, reference) if scenario.parity else "wrong tokens, no error"
+            cell = Cell("wrong_tokens", text)
         elif vanilla_correct:
             cell = Cell("correct", "correct")
         else:
@@ -341,7 +341,7 @@ def _accepted(tokens: Any, reference: Any) -> Cell:
     return Cell("accepted", "accepted, no error (wrong tokens)")
 
 
-def _parity_text(tokens: Any, reference: Any, vanilla: Any) -> str:
+def _parity_text(tokens: Any, reference: Any) -> str:
     if not _same(tokens, reference):
         return "wrong tokens, no error"
     return "differs from vanilla"

@@ -64,9 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.set_defaults(command_parser=doctor)  # main() reports an option unknown to doctor with doctor's usage
     doctor.add_argument(
+        "--family",
+        metavar="NAME",
+        default="gpt_neo",
+        help="the model family whose full self-check table is shown (default gpt_neo; one of: gpt_neo, gpt2, gptj, "
+        "codegen, gpt_neox, opt, bloom); the other families get a one-line quick self-check each",
+    )
+    doctor.add_argument(
         "--model",
         metavar="PATH",
-        help="run the self-check on a GPT-Neo checkpoint folder on this machine (what save_pretrained writes: "
+        help="run the self-check on a checkpoint folder of the family on this machine (what save_pretrained writes: "
         "config.json and the weights) instead of the tiny model; loaded with local_files_only=True, on the CPU, "
         "in float32",
     )
@@ -109,7 +116,7 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"neofix doctor: {message}", file=sys.stderr, flush=True)
 
     try:
-        report = _doctor.run(model_path=args.model, strict=args.strict, progress=progress)
+        report = _doctor.run(model_path=args.model, strict=args.strict, progress=progress, family=args.family)
     except _doctor.DoctorUsageError as exc:
         print(f"neofix doctor: error: {exc}", file=sys.stderr)
         return 2

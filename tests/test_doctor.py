@@ -457,3 +457,9 @@ def test_a_failing_reference_is_reported_not_raised(monkeypatch):
     assert status == 1, out + err
     assert "no reference: RuntimeError: the reference broke" in out
     assert "WRONG, expected a full-recompute reference" in out
+
+
+def test_unknown_family_is_a_usage_error():
+    status, out, err = run_main("doctor", "--family", "gpt5")
+    assert status == 2
+    assert "--family gpt5: no such family; choose from gpt_neo" in err

@@ -62,22 +62,49 @@ class Report(NamedTuple):
     model: dict[str, Any]
     rows: list[Row]
     seconds: float
+    family: str = "gpt_neo"
+    #: the other families' quick self-checks: (family title, its rows), or (title, reason it did not run)
+    others: tuple[tuple[str, Any], ...] = ()
 
     @property
     def all_right(self) -> bool:
-        return bool(self.rows) and all(row.right for row in self.rows)
+        others = [rows for _, rows in self.others if not isinstance(rows, str)]
+        return bool(self.rows) and all(row.right for row in self.rows) and all(r.right for rows in others for r in rows)
 
     @property
     def exit_status(self) -> int:
         return 0 if self.all_right else 1
 
 
+#: The scenarios of the one-line self-check of the other families (the full table for one: --family NAME).
+QUICK = (
+    "stale_mask",
+    "padded_no_positions",
+    "stale_positions",
+    "mask_too_long",
+    "batch_mismatch",
+    "position_overflow",
+    "out_of_vocabulary",
+    "generate_greedy",
+)
+
+
 def run(
     model_path: str | None = None,
     strict: bool = False,
     progress: Callable[[str], None] = lambda _: None,
+    family: str = "gpt_neo",
+    others: bool = True,
 ) -> Report:
-    """Run the doctor; raise :class:`DoctorUsageError` when ``model_path`` is not a GPT-Neo checkpoint."""
+    """Run the doctor; raise :class:`DoctorUsageError` when ``model_path`` is not a checkpoint of ``family``.
+
+    The self-check runs on a tiny random model of ``family`` (or the checkpoint), one row per scenario; with
+    ``others``, every other family transformers has gets a quick self-check on its tiny model too, one line each.
+    """
+    from .._families import FAMILIES
+
+    if family not in FAMILIES:
+        raise DoctorUsageError(f"--family {family}: no such family; choose from {', '.join(FAMILIES)}")
     started = time.perf_counter()
     if model_path is not None:
         _check_model_directory(model_path)  # before the slow imports: a typo is reported at once
@@ -91,20 +118,19 @@ def run(
 
         from .. import _compat
 
+    chosen = FAMILIES[family]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            importlib.import_module(GPT_NEO_MODULE)  # neofix's import hook patches it here, as in a user's program
+            importlib.import_module(chosen.module)  # neofix's import hook patches it here, as in a user's program
     except Exception as exc:
         raise DoctorUsageError(
-            f"transformers {transformers.__version__} cannot load GPT-Neo ({_one_line(exc)}); "
+            f"transformers {transformers.__version__} cannot load {chosen.title} ({_one_line(exc)}); "
             f"reinstall transformers (neofix is tested with {_compat.SUPPORTED_TRANSFORMERS})"
         ) from exc
     found_patched = _lifecycle.is_patched()
     with _preserved_state(transformers):
-        model, described = _load_model(model_path, progress)
-
-        from ._scenarios import SCENARIOS, Context
+        model, described = _load_model(model_path, progress, family)
 
         # the patch targets as neofix installs them for its column (``neofix.patched()`` above installed it, also
         # when it was not installed on arrival)
@@ -113,22 +139,15 @@ def run(
         _config.configure(mode="strict" if strict else "repair", check_values=False)
         if sum(p.numel() for p in model.parameters()) < _SMALL_MODEL:
             torch.set_num_threads(1)  # a tiny model gains nothing from threads; on a busy machine they cost seconds
-        context = Context(model)
+        from ._scenarios import Context
+
+        context = Context(model, chosen.load_adapter())
         described.update(_describe_context(context))
-        rows = []
-        for number, scenario in enumerate(SCENARIOS, 1):
-            progress(f"[{number:2d}/{len(SCENARIOS)}] {scenario.title}")
-            with _lifecycle.unpatched():
-                reference = None
-                if scenario.reference is not None:  # computed on vanilla transformers, with the patch off
-                    computed = _attempt(scenario.reference, context)
-                    if computed.error is not None:
-                        rows.append(_unjudged(scenario, computed.error))
-                        continue
-                    reference = computed.tokens
-                vanilla = _attempt(scenario.run, context)
-            with_neofix = _attempt(scenario.run, context) if patched else None
-            rows.append(_judge(scenario, reference, vanilla, with_neofix, strict))
+        rows = _self_check(context, patched, strict, progress)
+        found = []
+        if others and model_path is None:
+            found = [(other.title, _quick_check(other, patched, strict, progress)) for other in FAMILIES.values()
+                     if other is not chosen]
 
     versions = {
         "python": platform.python_version(),
@@ -146,7 +165,55 @@ def run(
         model=described,
         rows=rows,
         seconds=round(time.perf_counter() - started, 2),
+        family=family,
+        others=tuple(found),
     )
+
+
+def _self_check(
+    context: Any, patched: bool, strict: bool, progress: Callable[[str], None], keys: tuple[str, ...] | None = None
+) -> list[Row]:
+    """Every scenario (or those of ``keys``) on vanilla transformers, then with neofix, judged against the reference."""
+    from ._scenarios import SCENARIOS
+
+    chosen = [scenario for scenario in SCENARIOS if keys is None or scenario.key in keys]
+    rows = []
+    for number, scenario in enumerate(chosen, 1):
+        if keys is None:
+            progress(f"[{number:2d}/{len(chosen)}] {scenario.title}")
+        scenario = scenario.for_family(context)
+        if isinstance(scenario, str):
+            continue  # does not apply to this family (say, positions to a model that takes none)
+        with _lifecycle.unpatched():
+            reference = None
+            if scenario.reference is not None:  # computed on vanilla transformers, with the patch off
+                computed = _attempt(scenario.reference, context)
+                if computed.error is not None:
+                    rows.append(_unjudged(scenario, computed.error))
+                    continue
+                reference = computed.tokens
+            vanilla = _attempt(scenario.run, context)
+        with_neofix = _attempt(scenario.run, context) if patched else None
+        rows.append(_judge(scenario, reference, vanilla, with_neofix, strict))
+    return rows
+
+
+def _quick_check(family: Any, patched: bool, strict: bool, progress: Callable[[str], None]) -> Any:
+    """The quick self-check of another family on its tiny model: its rows, or why it did not run."""
+    from ..testing import FAMILY_CONFIGS, tiny_model
+    from ._scenarios import Context
+
+    if family.name not in FAMILY_CONFIGS:
+        return "no tiny model"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            importlib.import_module(family.module)
+            model = tiny_model(family.name)
+    except Exception as exc:  # noqa: BLE001 - a family this release lacks, or cannot build: said, not raised
+        return f"not available on this transformers ({_one_line(exc, limit=80)})"
+    progress(f"{family.title}: quick self-check")
+    return _self_check(Context(model, family.load_adapter()), patched, strict, progress, QUICK)
 
 
 # --- state -------------------------------------------------------------------------------------------------------
@@ -201,46 +268,55 @@ def _check_model_directory(path: str) -> None:
         )
 
 
-def _load_model(path: str | None, progress: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+def _load_model(path: str | None, progress: Callable[[str], None], family: str = "gpt_neo") -> tuple[Any, dict[str, Any]]:
     import torch
 
     if path is None:
-        progress("building the tiny random GPT-Neo")
-        from ..testing import tiny_gpt_neo
+        from .._families import FAMILIES
+        from ..testing import tiny_model
 
-        # gpt-neo-125M's structure, shrunk: global and local attention layers alternate, and the local window (4)
-        # is shorter than every sequence the scenarios decode, so each of them crosses it
-        model = tiny_gpt_neo(seed=0, dtype=torch.float32)
-        return model, {"source": "built-in tiny random GPT-Neo (no download)"}
+        title = FAMILIES[family].title
+        progress(f"building the tiny random {title}")
+        # for GPT-Neo, gpt-neo-125M's structure shrunk: global and local attention layers alternate, and the local
+        # window (4) is shorter than every sequence the scenarios decode, so each of them crosses it
+        model = tiny_model(family, seed=0, dtype=torch.float32)
+        return model, {"source": f"built-in tiny random {title} (no download)", "family": family}
     progress(f"loading {path}")
-    from transformers import AutoConfig, GPTNeoForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ._scenarios import ROW_LENGTHS, STEPS
+    from .._families import FAMILIES
+    from ._scenarios import ROW_LENGTHS, STEPS, _table_size
 
+    title = FAMILIES[family].title
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:
         raise DoctorUsageError(f"--model {path}: cannot read its config.json ({_one_line(exc)})") from exc
-    if getattr(config, "model_type", None) != "gpt_neo":
-        kind = getattr(config, "model_type", None) or "unknown"
+    kind = getattr(config, "model_type", None) or "unknown"
+    if kind != family:  # the families' names are their model types
         architectures = ", ".join(getattr(config, "architectures", None) or ()) or "no architectures listed"
+        hint = (
+            f"pass --family {kind} for it"
+            if kind in FAMILIES
+            else f"neofix patches {', '.join(f.title for f in FAMILIES.values())}"
+        )
         raise DoctorUsageError(
-            f"--model {path}: this is a {kind!r} checkpoint ({architectures}), not GPT-Neo. neofix only patches "
-            f"GPT-Neo; pass a folder whose config.json says \"model_type\": \"gpt_neo\""
+            f"--model {path}: this is a {kind!r} checkpoint ({architectures}), not {title}: {hint} (the folder's "
+            f"config.json says \"model_type\": {kind!r})"
         )
     needed = max(ROW_LENGTHS) + STEPS + 2
-    if config.max_position_embeddings < needed or config.vocab_size < 2:
+    if _table_size(config) < needed or config.vocab_size < 2:
         raise DoctorUsageError(
-            f"--model {path}: this GPT-Neo is too small for the self-check (max_position_embeddings "
-            f"{config.max_position_embeddings}, vocab_size {config.vocab_size}; it needs at least "
-            f"{needed} positions and 2 token ids)"
+            f"--model {path}: this {title} is too small for the self-check (position table "
+            f"{_table_size(config)}, vocab_size {config.vocab_size}; it needs at least {needed} positions and 2 "
+            f"token ids)"
         )
     try:
-        model = GPTNeoForCausalLM.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     except Exception as exc:
         raise DoctorUsageError(f"--model {path}: cannot load the weights ({_one_line(exc)})") from exc
     # float32 on the CPU, whatever the checkpoint was saved in: half precision would make token comparisons flaky
-    return model.to(device="cpu", dtype=torch.float32).eval(), {"source": f"checkpoint {Path(path)}"}
+    return model.to(device="cpu", dtype=torch.float32).eval(), {"source": f"checkpoint {Path(path)}", "family": family}
 
 
 def _describe_context(context: Any) -> dict[str, Any]:
@@ -251,7 +327,7 @@ def _describe_context(context: Any) -> dict[str, Any]:
     longest = max(ROW_LENGTHS) + STEPS
     window = int(getattr(config, "window_size", 0) or 0)
     return {
-        "layers": len(layers) or int(config.num_layers),
+        "layers": len(layers) or int(config.num_hidden_layers),
         "attention_layers": layers,
         "window_size": window,
         "vocab_size": context.vocab_size,

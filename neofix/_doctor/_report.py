@@ -30,11 +30,24 @@ def as_json(report: Any) -> str:
             }
             for row in report.rows
         ],
+        "family": report.family,
+        "other_families": [
+            {"family": title, "skipped": rows}
+            if isinstance(rows, str)
+            else {"family": title, "scenarios": len(rows), "right": sum(row.right for row in rows),
+                  "vanilla_wrong": _vanilla_wrong(rows), "wrong": [row.key for row in rows if not row.right]}
+            for title, rows in report.others
+        ],
         "all_right": report.all_right,
         "exit_status": report.exit_status,
         "seconds": report.seconds,
     }
     return json.dumps(document, indent=2)
+
+
+def _vanilla_wrong(rows: Any) -> int:
+    """Scenarios vanilla transformers gets wrong: wrong tokens, a raw error, or invalid input taken silently."""
+    return sum(row.vanilla.kind in ("wrong_tokens", "error", "accepted") for row in rows)
 
 
 def _cell(cell: Any) -> dict[str, Any]:
@@ -95,6 +108,20 @@ def as_table(report: Any) -> str:
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(3)]
     for columns in [header, *body]:
         lines.append(("  " + "  ".join(f"{c:<{w}}" for c, w in zip(columns, widths)) + "  " + columns[3]).rstrip())
+    if report.others:
+        lines += ["", "Other families (quick self-check on each one's tiny random model; --family NAME for the table):"]
+        title_width = max(len(title) for title, _ in report.others)
+        for title, rows in report.others:
+            if isinstance(rows, str):
+                lines.append(f"  {title:<{title_width}}  skipped: {rows}")
+                continue
+            right = sum(row.right for row in rows)
+            wrong = [row.title for row in rows if not row.right]
+            verdict = "ok" if not wrong else "WRONG: " + "; ".join(wrong)
+            lines.append(
+                f"  {title:<{title_width}}  {right} of {len(rows)} neofix verdicts right; vanilla wrong or a raw "
+                f"error in {_vanilla_wrong(rows)}  {verdict}"
+            )
     lines.append("")
     right = sum(row.right for row in report.rows)
     if report.all_right:

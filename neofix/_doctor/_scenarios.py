@@ -30,14 +30,27 @@ BEAMS = 3
 
 
 class Context:
-    """The model under test and what the scenarios share: inputs, the pad id, and references computed once."""
+    """The model under test and what the scenarios share: inputs, the pad id, and references computed once.
 
-    def __init__(self, model: Any) -> None:
+    ``adapter`` is the model family's (``neofix._families``): what positions mean to it (``POSITIONS``) and whether
+    a sequence past its position table is an error decide what the scenarios expect.
+    """
+
+    def __init__(self, model: Any, adapter: Any = None) -> None:
+        import inspect
+
+        if adapter is None:
+            from .._families import gpt_neo as adapter
         self.model = model
+        self.adapter = adapter
         config = model.config
         self.vocab_size = int(config.vocab_size)
-        self.max_positions = int(config.max_position_embeddings)
+        self.positions_kind = adapter.POSITIONS
+        #: the position table's size where running past it is an error, else None (the model extrapolates)
+        self.limit = adapter.limits(config).max_positions
+        self.max_positions = self.limit if self.limit is not None else _table_size(config)
         self.cache_keyword = cache_keyword(type(model).forward)
+        self.takes_positions = "position_ids" in inspect.signature(type(model).forward).parameters
         self.eos = _first_id(getattr(model.generation_config, "eos_token_id", None))
         if self.eos is None:
             self.eos = _first_id(config.eos_token_id)
@@ -79,6 +92,14 @@ class Context:
             **kwargs,
         )
         return out[:, self.ids.shape[1]:]
+
+
+def _table_size(config: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+        size = getattr(config, name, None)
+        if isinstance(size, int):
+            return size
+    return 2048
 
 
 def _first_id(value: Any) -> int | None:
@@ -162,7 +183,9 @@ def decode(
                 kwargs["attention_mask"] = torch.cat([mask, mask.new_ones((mask.shape[0], steps))], dim=-1)
             else:
                 kwargs["attention_mask"] = step_mask
-        if positions == "correct":
+        if not ctx.takes_positions:  # ALiBi: the model takes none
+            pass
+        elif positions == "correct":
             kwargs["position_ids"] = reference_positions(step_mask)[:, -new.shape[1]:]
         elif positions == "stale":
             kwargs["position_ids"] = reference_positions(full_mask[:, : ids.shape[1]])
@@ -222,6 +245,14 @@ def _position_overflow(ctx: Context) -> torch.Tensor:
     return decode(ctx, ids, torch.ones_like(ids), 4)
 
 
+def _overflow_vanilla(ctx: Context) -> torch.Tensor:
+    """Where the model extrapolates past its table: what vanilla transformers computes (neofix must not change it)."""
+    from .. import _lifecycle
+
+    with _lifecycle.unpatched():
+        return _position_overflow(ctx)
+
+
 def _out_of_vocabulary(ctx: Context) -> torch.Tensor:
     ids = ctx.ids.clone()
     ids[1, -1] = ctx.vocab_size  # a tokenizer with more tokens than the model's embedding
@@ -270,9 +301,32 @@ class Scenario(NamedTuple):
     strict_error: type[NeofixError] | None
     #: generate parity: neofix's tokens must also be identical to vanilla's
     parity: bool = False
+    #: for the family of the context: None (the scenario applies as declared), a reason it does not apply, or a
+    #: Scenario to run instead (what the family expects)
+    adapt: Callable[[Any, Context], Any] | None = None
 
     def expected_error(self, strict: bool) -> type[NeofixError] | None:
         return self.strict_error if strict else self.error
+
+    def for_family(self, ctx: Context) -> Any:
+        """This scenario as the context's family expects it, or a string: why it does not apply."""
+        return self if self.adapt is None else (self.adapt(self, ctx) or self)
+
+
+def _positions_matter(scenario: Scenario, ctx: Context) -> Any:
+    if ctx.positions_kind == "none":
+        return "the model takes no position_ids (ALiBi)"
+    if ctx.positions_kind == "rotary":
+        if scenario.key == "stale_positions":  # which positions the cache was built with cannot be told
+            return scenario._replace(reference=None, error=PositionError, strict_error=PositionError)
+        return "rotary positions: only their differences matter"
+    return None
+
+
+def _table(scenario: Scenario, ctx: Context) -> Any:
+    if ctx.limit is None:  # the model extrapolates past its table: runs as vanilla
+        return scenario._replace(reference=_overflow_vanilla, error=None, strict_error=None, parity=True)
+    return None
 
 
 SCENARIOS = (
@@ -281,14 +335,17 @@ SCENARIOS = (
         "padded_no_positions", "left-padded loop, no position_ids", _padded_without_positions, Context.reference,
         None, None,
     ),
-    Scenario("stale_positions", "stale position_ids", _stale_positions, Context.reference, None, PositionError),
+    Scenario(
+        "stale_positions", "stale position_ids", _stale_positions, Context.reference, None, PositionError,
+        adapt=_positions_matter,
+    ),
     Scenario(
         "arange_positions", "left-padded loop, arange position_ids", _arange_positions, Context.reference, None,
-        PositionError,
+        PositionError, adapt=_positions_matter,
     ),
     Scenario(
         "frozen_positions", "loop not incrementing position_ids", _frozen_positions, Context.reference, None,
-        PositionError,
+        PositionError, adapt=_positions_matter,
     ),
     Scenario("chunked_prefill", "chunked prefill, left-padded", _chunked_prefill, Context.reference, None, None),
     Scenario(
@@ -299,7 +356,7 @@ SCENARIOS = (
              BatchMismatchError),
     Scenario(
         "position_overflow", "past max_position_embeddings", _position_overflow, None, SequenceTooLongError,
-        SequenceTooLongError,
+        SequenceTooLongError, adapt=_table,
     ),
     Scenario("out_of_vocabulary", "token id >= vocab_size", _out_of_vocabulary, None, TokenIdError, TokenIdError),
     Scenario(

@@ -1,7 +1,7 @@
 """pytest plugin of neofix (entry point ``pytest11: neofix``): guard your own GPT-Neo decoding in CI.
 
 Loaded automatically when neofix is installed; disable with ``pytest -p no:neofix``.  It provides the
-``gpt_neo_tiny`` fixture; the assertions to use with it live in :mod:`neofix.testing`
+``gpt_neo_tiny`` and ``tiny_model`` fixtures; the assertions to use with it live in :mod:`neofix.testing`
 (``assert_generation_consistent``, ``assert_steps_aligned``).
 
 This module lives outside the ``neofix`` package on purpose: loading the plugin imports neither neofix nor torch
@@ -25,3 +25,14 @@ def gpt_neo_tiny() -> Callable[..., Any]:
     from neofix.testing import tiny_gpt_neo
 
     return tiny_gpt_neo
+
+
+@pytest.fixture
+def tiny_model() -> Callable[..., Any]:
+    """Factory ``tiny_model(family="gpt_neo", seed=0, dtype=torch.float32, **config_overrides)``: an eval-mode tiny
+    random causal LM of any family neofix patches (``neofix.FAMILIES``: "gpt_neo", "gpt2", "gptj", "codegen",
+    "gpt_neox", "opt", "bloom"), built from a config (no download), its output layer sharpened.  Using it imports
+    neofix, as ``gpt_neo_tiny`` does."""
+    from neofix.testing import tiny_model
+
+    return tiny_model

@@ -379,3 +379,20 @@ def test_downstream_can_disable_the_plugin(downstream):
 def test_plugin_loads_without_patching_gpt_neo(downstream):
     result = downstream.runpytest_subprocess("-p", "no:cacheprovider", "test_untouched.py")
     result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("family", sorted(__import__("neofix.testing", fromlist=["x"]).FAMILY_CONFIGS))
+def test_tiny_model_fixture_for_every_family(tiny_model, family):
+    """The family-neutral fixture: a tiny model of each family, guarded by the same assertion."""
+    import transformers
+
+    from neofix.testing import FAMILY_CONFIGS
+
+    if not hasattr(transformers, FAMILY_CONFIGS[family][0]):
+        pytest.skip(f"transformers {transformers.__version__} has no {FAMILY_CONFIGS[family][0]}")
+    model = tiny_model(family, dtype=torch.float64)
+    assert type(model).__name__ == FAMILY_CONFIGS[family][1]
+    assert_generation_consistent(model, *left_padded_batch([6, 3]), max_new_tokens=4)
+    with neofix.trace(model) as steps, torch.no_grad():
+        model.generate(*left_padded_batch([6, 3])[:1], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert_steps_aligned(steps)

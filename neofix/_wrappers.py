@@ -11,8 +11,9 @@ Each ``make_*`` factory takes the original function and the family's adapter (:m
 the plain function that replaces it on its class (``functools.wraps``: same name, docstring and signature,
 ``__wrapped__`` set).  Plain functions rather than wrapt proxies, because dynamo cannot build its guards on a proxy
 (``torch.compile`` would fail with "Guard failed on the same frame it was created"), and because a plain function
-is the cheapest thing to call on every decode step.  Every wrapper steps aside while a trace or compilation runs
-(see :func:`neofix._compat.is_tracing`).
+is the cheapest thing to call on every decode step.  Every wrapper steps aside while torch.jit, torch.fx or
+torch.export traces (see :func:`neofix._compat.is_stepping_aside`); under ``torch.compile`` the model forward runs
+its shape logic only, which dynamo traces into the graph (:func:`neofix._compat.is_compiling`).
 """
 
 from __future__ import annotations
@@ -376,7 +377,7 @@ def _legacy_cache(legacy: tuple, config: Any) -> Any:
     return _caches.from_legacy(legacy, config)
 
 
-def make_flash_attention_forward(original: Any, adapter: Any) -> Callable[..., Any]:  # noqa: ARG001 - every factory takes the adapter
+def make_flash_attention_forward(original: Any, _adapter: Any) -> Callable[..., Any]:
     """GPT-Neo's flash-attention-2 forward: refuse a step its missing local window would get wrong.
 
     transformers' flash-attention-2 path for GPT-Neo applies no sliding window, so a local layer attends to every
@@ -413,7 +414,7 @@ def _check_local_window(attention: Any, args: tuple, kwargs: dict) -> None:
         )
 
 
-def make_prepare_inputs_for_generation(original: Any, adapter: Any) -> Callable[..., Any]:  # noqa: ARG001 - every factory takes the adapter
+def make_prepare_inputs_for_generation(original: Any, _adapter: Any) -> Callable[..., Any]:
     """``GPTNeoForCausalLM.prepare_inputs_for_generation``: feed exactly the uncached tokens.
 
     transformers up to 4.35 feeds only the last token whenever a cache is present, which silently drops tokens
@@ -473,7 +474,7 @@ def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
 _GENERATING: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("neofix_generating", default=None)
 
 
-def make_generate(original: Any, adapter: Any) -> Callable[..., Any]:  # noqa: ARG001 - every factory takes the adapter
+def make_generate(original: Any, _adapter: Any) -> Callable[..., Any]:
     """``<Family>ForCausalLM.generate``: an empty prompt is refused before anything runs; a step that would pass the
     position table raises :class:`~neofix.SequenceTooLongError` before its compute (from the model forward), here
     told in generate's terms: how many tokens were generated and how many fit.
@@ -587,7 +588,7 @@ def _refuse_what_cannot_run(config: Any, criteria: Any, prompt: int, limit: int 
         )
 
 
-def make_prepare_4d_mask_for_float64(original: Any, adapter: Any) -> Callable[..., Any]:  # noqa: ARG001 - every factory takes the adapter
+def make_prepare_4d_mask_for_float64(original: Any, _adapter: Any) -> Callable[..., Any]:
     """``_prepare_4d_causal_attention_mask`` of GPT-Neo's module (transformers 4.36 - 4.44), for float64 models.
 
     Its causal-mask helper fills a float32 tensor with ``finfo(float64).min`` and raises "value cannot be converted

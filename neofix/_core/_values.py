@@ -380,12 +380,14 @@ def _read_once(step: _Step, compare: bool, repairs: list[Repair], derive: bool =
         raise_token_id_error(token_types, limits.vocab_size, name="token_type_ids")
     if "positions_min" in found and not (0 <= found["positions_min"] and found["positions_max"] < limits.max_positions):  # type: ignore[operator]
         raise_position_range_error(positions, limits.max_positions)  # type: ignore[arg-type]
-    if found.get("mask_not_binary") or ("mask_min" in found and not (0 <= found["mask_min"] and found["mask_max"] <= 1)):
+    binary = "mask_min" not in found or (0 <= found["mask_min"] and found["mask_max"] <= 1)
+    if found.get("mask_not_binary") or not binary:
         _raise_mask_value_error(mask)
     left_padded = max(found.get("steps_max", (0,))) > 0
     right_padded = ()
     if "last" in found:
-        right_padded = tuple(row for row, (low, last) in enumerate(zip(found["steps_min"], found["last"])) if low < 0 and not last)
+        steps_and_last = zip(found["steps_min"], found["last"])
+        right_padded = tuple(row for row, (low, last) in enumerate(steps_and_last) if low < 0 and not last)
 
     if given:
         if found.get("wrong"):

@@ -268,7 +268,9 @@ def _check_model_directory(path: str) -> None:
         )
 
 
-def _load_model(path: str | None, progress: Callable[[str], None], family: str = "gpt_neo") -> tuple[Any, dict[str, Any]]:
+def _load_model(
+    path: str | None, progress: Callable[[str], None], family: str = "gpt_neo"
+) -> tuple[Any, dict[str, Any]]:
     import torch
 
     if path is None:
@@ -432,7 +434,10 @@ def _error_cell(error: BaseException) -> Cell:
 
 _REWRITES = (
     # "The size of tensor a (6) must match the size of tensor b (5) at non-singleton dimension 3"
-    (r"The size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\).*", r"size of tensor a (\1) must match b (\2)"),
+    (
+        r"The size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\).*",
+        r"size of tensor a (\1) must match b (\2)",
+    ),
 )
 
 

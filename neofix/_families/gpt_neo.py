@@ -67,6 +67,7 @@ def check_step(model: Any, cache: CacheView) -> None:
             f"a static cache of {capacity} slots with GPT-Neo's local attention layers (window of {window} tokens): "
             f"transformers' GPT-Neo takes each local layer's window from the cache's last slot, not from the token's "
             f"position, so with more slots than the window the local layers attend to the wrong tokens (transformers "
-            f"gives wrong tokens without an error). Use the default dynamic cache (drop cache_implementation='static'), "
+            f"gives wrong tokens without an error). Use the default dynamic cache (drop "
+            f"cache_implementation='static'), "
             f"or a static cache of at most {window} slots"
         )

@@ -29,7 +29,7 @@ def neofix_command(*args: str) -> subprocess.CompletedProcess:
 def test_an_argument_unknown_to_doctor_prints_doctors_usage(args, unknown):
     done = neofix_command(*args)
     assert done.returncode == 2, done
-    assert done.stderr.startswith("usage: neofix doctor [-h] [--model PATH] [--json] [--strict]\n"), done.stderr
+    assert done.stderr.startswith("usage: neofix doctor [-h] [--family NAME] [--model PATH] [--json] [--strict]\n"), done.stderr
     assert done.stderr.endswith(f"neofix doctor: error: unrecognized arguments: {unknown}\n"), done.stderr
     assert done.stdout == ""
 

@@ -60,6 +60,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     read_cache = adapter.read_cache
     check_step = adapter.check_step
     positions_kind = adapter.POSITIONS
+    explain_overflow = getattr(adapter, "explain_overflow", None)  # a family whose limit depends on values (OPT)
     takes_positions = "position_ids" in names or "position_ids" in inspect.signature(original).parameters
     listeners = _reports.listeners
     pending = _reports.pending
@@ -95,6 +96,9 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                     return original(self, *args, **kwargs)
                 except IndexError as exc:
                     explain_index_error(exc, limits, first, None, kwargs.get("position_ids"))
+                    if explain_overflow is not None:
+                        explain_overflow(exc, self.config, kwargs.get("attention_mask"), kwargs.get("position_ids"),
+                                         cache.length)
                     raise
         prefilled = None
         if len(args) <= 1 and first is not None and (args or "input_ids" in kwargs):
@@ -109,7 +113,12 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                             None, (),
                         )
                     )
-                return original(self, *args, **kwargs)
+                try:
+                    return original(self, *args, **kwargs)
+                except IndexError as exc:
+                    if explain_overflow is not None:
+                        explain_overflow(exc, self.config, kwargs.get("attention_mask"), None, 0)
+                    raise
         if args:  # generate and the heads pass input_ids alone positionally: skip zip() for that case
             kwargs = {first_name: args[0], **kwargs} if len(args) == 1 else {**dict(zip(names, args)), **kwargs}
         input_ids = kwargs.get("input_ids")
@@ -179,6 +188,8 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
             # Single-token decode steps skip the value checks (they would synchronise with the device).  On the CPU
             # a bad id or position surfaces as this IndexError: name the value instead.
             explain_index_error(exc, limits, input_ids, aligned.token_type_ids, positions)
+            if explain_overflow is not None:
+                explain_overflow(exc, self.config, aligned.attention_mask, positions, view.length)
             raise
         if aligned.right_padded:
             _mark_right_padded(output, aligned.right_padded)
@@ -589,11 +600,13 @@ def _refuse_what_cannot_run(config: Any, criteria: Any, prompt: int, limit: int 
 
 
 def make_prepare_4d_mask_for_float64(original: Any, _adapter: Any) -> Callable[..., Any]:
-    """``_prepare_4d_causal_attention_mask`` of GPT-Neo's module (transformers 4.36 - 4.44), for float64 models.
+    """``_prepare_4d_causal_attention_mask`` (or its ``_for_sdpa`` twin) as a family's module imported it, for float64
+    models (GPT-Neo on transformers 4.36 - 4.44, BLOOM 4.36 - 4.43, OPT 4.36 - 4.48: see each family's targets).
 
-    Its causal-mask helper fills a float32 tensor with ``finfo(float64).min`` and raises "value cannot be converted
-    to type float without overflow".  GPT-Neo computes attention scores in float32 anyway, so the mask is built in
-    float32, which is the dtype it is added to.
+    The helper fills a float32 tensor with ``finfo(float64).min`` and raises "value cannot be converted to type float
+    without overflow" (vanilla transformers cannot run such a model at all).  The mask is built in float32: GPT-Neo
+    adds it to float32 scores anyway, BLOOM turns it into booleans, and OPT's float64 scores plus float32's minimum
+    give the same softmax (every masked score underflows to zero either way).
     """
     names = ("attention_mask", "input_shape", "inputs_embeds", "past_key_values_length", "sliding_window")
 

@@ -95,6 +95,51 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM", TINY_CONFIG),
 }
 
+_COMMON: dict[str, Any] = dict(vocab_size=96, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+FAMILY_CONFIGS["gpt2"] = (
+    "GPT2Config",
+    "GPT2LMHeadModel",
+    dict(
+        _COMMON, n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, initializer_range=0.3,
+    ),
+)
+#: GPT-J and CodeGen: rotary positions on half of each head's 8 dimensions (``rotary_dim``), as GPT-J itself rotates
+#: part of each head; a table of 64 positions (``n_positions``).
+_GPTJ: dict[str, Any] = dict(
+    _COMMON, n_positions=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_inner=64, resid_pdrop=0.0,
+    embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3,
+)
+FAMILY_CONFIGS["gptj"] = ("GPTJConfig", "GPTJForCausalLM", _GPTJ)
+FAMILY_CONFIGS["codegen"] = ("CodeGenConfig", "CodeGenForCausalLM", dict(_GPTJ, n_ctx=64))
+#: GPT-NeoX: rotary positions on half of each head (``rotary_pct``; transformers 5.x reads it into
+#: ``rope_parameters``), 64 positions (``max_position_embeddings``: a table only up to 4.35, see its adapter).
+FAMILY_CONFIGS["gpt_neox"] = (
+    "GPTNeoXConfig",
+    "GPTNeoXForCausalLM",
+    dict(
+        _COMMON, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, rotary_pct=0.5, attention_dropout=0.0, hidden_dropout=0.0, initializer_range=0.3,
+    ),
+)
+#: OPT: a table of 64 positions for real tokens (plus OPT's offset of 2).
+FAMILY_CONFIGS["opt"] = (
+    "OPTConfig",
+    "OPTForCausalLM",
+    dict(
+        _COMMON, max_position_embeddings=64, hidden_size=32, word_embed_proj_dim=32, num_hidden_layers=2,
+        num_attention_heads=4, ffn_dim=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
+        init_std=0.3,
+    ),
+)
+#: BLOOM: ALiBi, no position table.
+FAMILY_CONFIGS["bloom"] = (
+    "BloomConfig",
+    "BloomForCausalLM",
+    dict(_COMMON, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0, initializer_range=0.3),
+)
+
 
 def tiny_config(family: str = "gpt_neo", **overrides: Any) -> Any:
     """The config of a tiny model of ``family`` (a key of :data:`FAMILY_CONFIGS`), with ``overrides``."""

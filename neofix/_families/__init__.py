@@ -107,5 +107,140 @@ GPT_NEO = Family(
     ),
 )
 
+
+
+def _generate_targets(causal_lm: str, *, stopping: bool = True) -> tuple[Target, ...]:
+    """``generate``'s entry points on a causal LM: its input preparation, ``generate`` itself and (where the family
+    has a position table that generate can run past) the stopping criteria, which neofix makes stop at the table."""
+    targets = (
+        Target(causal_lm, "prepare_inputs_for_generation", wrapper="make_prepare_inputs_for_generation", required=True),
+        Target(causal_lm, "generate", wrapper="make_generate", required=True),
+    )
+    if stopping:
+        targets += (Target(causal_lm, "_get_stopping_criteria", wrapper="make_get_stopping_criteria", required=True),)
+    return targets
+
+
+GPT2 = Family(
+    "gpt2",
+    "GPT-2",
+    "transformers.models.gpt2.modeling_gpt2",
+    "GPT2Model",
+    "GPT2LMHeadModel",
+    "neofix._families.gpt2",
+    (Target("GPT2Model", "forward", wrapper="make_model_forward", required=True), *_generate_targets("GPT2LMHeadModel")),
+)
+
+GPTJ = Family(
+    "gptj",
+    "GPT-J",
+    "transformers.models.gptj.modeling_gptj",
+    "GPTJModel",
+    "GPTJForCausalLM",
+    "neofix._families.gptj",
+    (Target("GPTJModel", "forward", wrapper="make_model_forward", required=True), *_generate_targets("GPTJForCausalLM")),
+)
+
+CODEGEN = Family(
+    "codegen",
+    "CodeGen",
+    "transformers.models.codegen.modeling_codegen",
+    "CodeGenModel",
+    "CodeGenForCausalLM",
+    "neofix._families.codegen",
+    (
+        Target("CodeGenModel", "forward", wrapper="make_model_forward", required=True),
+        *_generate_targets("CodeGenForCausalLM"),
+    ),
+)
+
+GPT_NEOX = Family(
+    "gpt_neox",
+    "GPT-NeoX",
+    "transformers.models.gpt_neox.modeling_gpt_neox",
+    "GPTNeoXModel",
+    "GPTNeoXForCausalLM",
+    "neofix._families.gpt_neox",
+    (
+        Target("GPTNeoXModel", "forward", wrapper="make_model_forward", required=True),
+        *_generate_targets("GPTNeoXForCausalLM"),
+    ),
+)
+
+OPT = Family(
+    "opt",
+    "OPT",
+    "transformers.models.opt.modeling_opt",
+    "OPTDecoder",  # every step passes through the decoder (OPTModel.forward only hands the arguments on)
+    "OPTForCausalLM",
+    "neofix._families.opt",
+    (
+        Target("OPTDecoder", "forward", wrapper="make_model_forward", required=True),
+        *_generate_targets("OPTForCausalLM", stopping=False),
+        Target(
+            "",
+            "_prepare_4d_causal_attention_mask",
+            wrapper="make_prepare_4d_mask_for_float64",
+            since="4.36",
+            until="4.49",
+            why="only transformers 4.36 - 4.48 build OPT's causal mask through these helpers, which overflow in float64",
+        ),
+        Target(
+            "",
+            "_prepare_4d_causal_attention_mask_for_sdpa",
+            wrapper="make_prepare_4d_mask_for_float64",
+            since="4.36",
+            until="4.49",
+            why="only transformers 4.36 - 4.48 build OPT's causal mask through these helpers, which overflow in float64",
+        ),
+        Target(
+            "OPTForCausalLM",
+            "_get_stopping_criteria",
+            wrapper="",
+            why="OPT counts positions over real tokens only (left padding takes none): whether generate runs past the "
+            "table depends on the mask's values, so neofix stops nothing early and names the overflow when it happens",
+        ),
+    ),
+)
+
+BLOOM = Family(
+    "bloom",
+    "BLOOM",
+    "transformers.models.bloom.modeling_bloom",
+    "BloomModel",
+    "BloomForCausalLM",
+    "neofix._families.bloom",
+    (
+        Target("BloomModel", "forward", wrapper="make_model_forward", required=True),
+        Target(
+            "BloomForCausalLM",
+            "prepare_inputs_for_generation",
+            wrapper="make_prepare_inputs_for_generation",
+            required=True,
+            since="4.36",
+            why="before 4.36 the wrapper would read the cache's length as a (batch, heads, tokens, head_dim) cache's, "
+            "but BLOOM's keys there are (batch * heads, head_dim, tokens): it would feed the wrong tokens",
+        ),
+        Target("BloomForCausalLM", "generate", wrapper="make_generate", required=True),
+        Target(
+            "BloomForCausalLM",
+            "_get_stopping_criteria",
+            wrapper="",
+            why="BLOOM has no position table (ALiBi): no generate call runs past one, so there is nothing to refuse",
+        ),
+        Target(
+            "",
+            "_prepare_4d_causal_attention_mask",
+            wrapper="make_prepare_4d_mask_for_float64",
+            since="4.36",
+            until="4.44",
+            why="only transformers 4.36 - 4.43 build BLOOM's causal mask through this helper, which overflows in "
+            "float64 (BLOOM turns the mask into booleans, so one built in float32 is the same mask)",
+        ),
+    ),
+)
+
 #: Every family neofix patches, by name.
-FAMILIES: dict[str, Family] = {family.name: family for family in (GPT_NEO,)}
+FAMILIES: dict[str, Family] = {
+    family.name: family for family in (GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM)
+}

@@ -1,0 +1,35 @@
+"""CodeGen's adapter.  CodeGen's modeling module is GPT-J's with a fused query/key/value projection: everything
+neofix reads (positions, the sinusoid table of ``n_positions`` rows, token types embedded with the token
+embedding, the cache layout, which inputs the forward takes) reads as GPT-J's on every release (measured on
+4.26 - 5.24; see :mod:`neofix._families.gptj`).
+
+Imported when transformers loads CodeGen's modeling module.
+"""
+
+from __future__ import annotations
+
+from . import CODEGEN
+from .gptj import (
+    FLAT_INPUT_IDS_ACCEPTED,
+    LEGACY_CACHE_REJECTED,
+    POSITIONS,
+    TOKEN_TYPES_ARE_IDS,
+    check_step,
+    layers,
+    limits,
+    read_cache,
+)
+
+FAMILY = CODEGEN
+
+__all__ = [
+    "FAMILY",
+    "FLAT_INPUT_IDS_ACCEPTED",
+    "LEGACY_CACHE_REJECTED",
+    "POSITIONS",
+    "TOKEN_TYPES_ARE_IDS",
+    "check_step",
+    "layers",
+    "limits",
+    "read_cache",
+]

@@ -1,0 +1,84 @@
+"""GPT-NeoX's adapter: how its forward, config and cache read on each transformers release.
+
+Imported when transformers loads GPT-NeoX's modeling module (so torch and transformers are loaded already).
+
+Measured with tiny random models, vanilla transformers 4.26 - 5.24:
+
+* Positions are rotary: only differences matter, so a left-padded row decodes the same whether its positions count
+  the padding (transformers' own) or start at its first real token (the mask's).  Up to 4.27 the forward takes no
+  ``position_ids`` (the attention rotates by ``arange`` after the cache); they arrived in 4.28 (transformers PR
+  #22382).
+* ``max_position_embeddings`` is no table: the rotary embedding grows its cos/sin cache with the sequence.  Up to
+  4.30 the attention layers slice their causal mask from a buffer of ``max_position_embeddings`` columns, so a
+  longer sequence fails (``RuntimeError: The size of tensor a (64) must match the size of tensor b (65)``); 4.36
+  grows that buffer too (``GPTNeoXAttention._init_bias``), and 4.53 builds masks without it: from there a longer
+  sequence runs, and cached decoding past it equals the full recompute.
+* No ``token_type_ids``; 1D ``input_ids`` fail on every release.
+* Caches hold keys ``(batch, heads, tokens, head_dim)``: tuples up to 4.44, ``DynamicCache`` from 4.45 (tuples
+  converted with a deprecation warning up to 4.48; 4.53 fails on ``tuple.get_seq_length``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .. import _caches, _compat
+from .._core import CacheView, Limits
+from . import GPT_NEOX
+
+FAMILY = GPT_NEOX
+
+#: Legacy tuple caches fail in GPT-NeoX's forward from 4.49, where its attention was rewritten on transformers'
+#: attention interface (measured: 4.48 converts them, 4.53 fails on ``'tuple' object has no attribute
+#: 'get_seq_length'``).
+LEGACY_CACHE_REJECTED = _compat.release() >= (4, 49)
+
+#: GPT-NeoX's forward never read 1D ``input_ids`` (``ValueError: not enough values to unpack``).
+FLAT_INPUT_IDS_ACCEPTED = False
+
+#: GPT-NeoX takes no ``token_type_ids``.
+TOKEN_TYPES_ARE_IDS = False
+
+#: Rotary positions (see neofix._core.Policy); up to 4.27 the forward takes none ("none": nothing to align).
+POSITIONS = "rotary" if _compat.release() >= (4, 28) else "none"
+
+
+def _causal_buffer_is_fixed() -> bool:
+    """Whether the attention layers slice their causal mask from a buffer of ``max_position_embeddings`` columns that
+    never grows: measured on 4.26 and 4.30, not on 4.36 and later.  Between those (4.31 - 4.35, not measured) the
+    attention class tells: the buffer grows where it has ``_init_bias``."""
+    if _compat.release() >= (4, 36):
+        return False
+    module = sys.modules.get(FAMILY.module)
+    attention = getattr(module, "GPTNeoXAttention", None)
+    return attention is not None and not hasattr(attention, "_init_bias")
+
+
+#: A sequence past ``max_position_embeddings`` fails (only where the causal buffer is fixed); elsewhere it runs and
+#: is right (the rotary embedding extrapolates), so neofix adds no limit there.
+TABLE_IS_A_LIMIT = _causal_buffer_is_fixed()
+
+
+def limits(config: Any) -> Limits:
+    heads = config.num_attention_heads
+    return Limits(
+        max_positions=config.max_position_embeddings if TABLE_IS_A_LIMIT else None,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        heads=heads,
+        head_dim=config.hidden_size // heads,
+    )
+
+
+def layers(model: Any) -> int:
+    """The number of attention layers of a ``GPTNeoXModel`` (each reads one layer of the cache)."""
+    return len(model.layers)
+
+
+def read_cache(cache: Any, layer_count: int) -> CacheView:
+    return _caches.read(cache, layer_count)
+
+
+def check_step(model: Any, cache: CacheView) -> None:
+    """Nothing of GPT-NeoX's own: its attention has no window."""

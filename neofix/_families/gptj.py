@@ -1,0 +1,71 @@
+"""GPT-J's adapter: how its forward, config and cache read on each transformers release.
+
+Imported when transformers loads GPT-J's modeling module (so torch and transformers are loaded already).
+CodeGen's modeling module is a copy of GPT-J's in everything neofix reads, release for release (measured on the
+same eleven releases): :mod:`neofix._families.codegen` takes these facts from here.
+
+Measured with tiny random models, vanilla transformers 4.26 - 5.24:
+
+* Positions are rotary: the attention scores of two tokens depend only on the difference of their positions, so a
+  left-padded row decodes the same whether its positions count the padding (transformers' own, ``arange``) or start
+  at its first real token (the mask's).  Up to 4.27 the attention layers ignore ``position_ids`` altogether (they
+  rotate by ``arange`` after the cache, whatever is passed); from 4.28 (transformers PR #22069) they look each
+  position up in a sinusoid table of ``n_positions`` rows.
+* A sequence past ``n_positions`` fails on every release: up to 4.27 on the causal-mask buffer of
+  ``n_positions`` columns (``RuntimeError: The size of tensor a (64) must match ...``), later on the sinusoid
+  table (``index 64 is out of bounds``; on an accelerator a device-side assert).
+* ``token_type_ids`` are embedded with the token embedding (``wte``): past the vocabulary an ``IndexError``.
+* Caches hold keys ``(batch, heads, tokens, head_dim)``: tuples up to 4.44, ``DynamicCache`` from 4.45 (tuples
+  converted with a deprecation warning up to 4.53; from 4.54 they fail on ``tuple.get_seq_length``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _caches, _compat
+from .._core import CacheView, Limits
+from . import GPTJ
+
+FAMILY = GPTJ
+
+#: Legacy tuple caches fail in GPT-J's forward from 4.54 (``'tuple' object has no attribute 'get_seq_length'``;
+#: measured: 4.53 converts them, 4.57 fails; 4.54 is the release GPT-Neo's forward stopped taking them as well).
+LEGACY_CACHE_REJECTED = _compat.release() >= (4, 54)
+
+#: Up to 4.30 GPT-J's forward reads 1D ``input_ids`` as one row (``view(-1, length)``); 4.36 fails on them.  Kept
+#: up to 4.35: where that is wrong, transformers' own error surfaces, and no call that works is refused.
+FLAT_INPUT_IDS_ACCEPTED = _compat.release() < (4, 36)
+
+#: GPT-J embeds ``token_type_ids`` with its token embedding: they are token ids, range-checked against the vocab.
+TOKEN_TYPES_ARE_IDS = True
+
+#: Rotary positions, looked up by ``position_ids`` from 4.28; up to 4.27 the attention ignores the ``position_ids``
+#: the forward takes, so neofix leaves them alone as well (see neofix._core.Policy): stale ones decode right there.
+POSITIONS = "rotary" if _compat.release() >= (4, 28) else "none"
+
+
+def limits(config: Any) -> Limits:
+    """The sinusoid table (and up to 4.27 the causal-mask buffer) has ``n_positions`` rows: past it is an error."""
+    heads = config.n_head
+    return Limits(
+        max_positions=config.n_positions,
+        vocab_size=config.vocab_size,
+        hidden_size=config.n_embd,
+        heads=heads,
+        head_dim=config.n_embd // heads,
+    )
+
+
+def layers(model: Any) -> int:
+    """The number of attention layers of a ``GPTJModel`` (each reads one layer of the cache)."""
+    return len(model.h)
+
+
+def read_cache(cache: Any, layer_count: int) -> CacheView:
+    return _caches.read(cache, layer_count)
+
+
+def check_step(model: Any, cache: CacheView) -> None:
+    """Nothing of GPT-J's own: its attention has no window, and a static cache's slots past the sequence are masked
+    by the 4D mask transformers builds for it."""

@@ -145,7 +145,7 @@ def test_stale_positions(lm, adapter):
         assert any("derived them from the attention mask instead" in m for m in messages), messages
 
 
-def test_past_the_position_table(lm, adapter):
+def test_past_the_position_table(lm, lm32, adapter):
     size = table_size(lm) or 64  # a family without a position table (ALiBi): past the other tiny models' 64
     limit = adapter.limits(lm.config).max_positions
     ids = torch.randint(1, 96, (1, size - 2), generator=torch.Generator().manual_seed(1))
@@ -153,11 +153,15 @@ def test_past_the_position_table(lm, adapter):
     if hasattr(adapter, "explain_overflow"):  # the limit counts real tokens (OPT): named when the lookup fails
         assert isinstance(tokens, neofix.SequenceTooLongError), tokens
         assert f"at most {size} real tokens fit in a row" in str(tokens)
-    elif limit is None:  # the model extrapolates: no error, and nothing changed
+    elif limit is None:  # the model extrapolates: no error, and nothing changed (vanilla compared in float32:
+        # BLOOM on 4.36 - 4.43 cannot run float64 models unpatched)
         assert isinstance(tokens, torch.Tensor), tokens
+        assert torch.equal(tokens, reference(lm, ids, torch.ones_like(ids), 4))
+        patched32, _ = run(lambda: decode(lm32, ids, torch.ones_like(ids), 4))
         with neofix.unpatched():
-            plain, _ = run(lambda: decode(lm, ids, torch.ones_like(ids), 4))
-        assert torch.equal(tokens, plain)
+            plain, _ = run(lambda: decode(lm32, ids, torch.ones_like(ids), 4))
+        assert isinstance(plain, torch.Tensor), plain
+        assert torch.equal(patched32, plain)
     else:
         assert isinstance(tokens, neofix.SequenceTooLongError), tokens
         assert f"is {limit}: 0 more new tokens fit" in str(tokens)
@@ -300,7 +304,11 @@ def test_jit_trace_is_identical_to_vanilla(lm32):
     inputs = (ids, torch.ones_like(ids))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' own tracer warnings
-        patched, plain = both(module, lambda m: torch.jit.trace(m, inputs, check_trace=False)(*inputs))
+        patched, plain = both(module, lambda m: run(lambda: torch.jit.trace(m, inputs, check_trace=False)(*inputs))[0])
+    if isinstance(plain, Exception):  # torch.jit cannot trace this family on this release (GPT-2, GPT-NeoX on 4.57)
+        assert type(patched) is type(plain) and str(patched) == str(plain), (patched, plain)
+        return
+    assert isinstance(patched, torch.Tensor), patched
     assert torch.equal(patched, plain)
 
 

@@ -599,14 +599,16 @@ def _refuse_what_cannot_run(config: Any, criteria: Any, prompt: int, limit: int 
         )
 
 
-def make_prepare_4d_mask_for_float64(original: Any, _adapter: Any) -> Callable[..., Any]:
+def make_prepare_4d_mask_for_float64(original: Any, _adapter: Any, *, widen: bool = False) -> Callable[..., Any]:
     """``_prepare_4d_causal_attention_mask`` (or its ``_for_sdpa`` twin) as a family's module imported it, for float64
-    models (GPT-Neo on transformers 4.36 - 4.44, BLOOM 4.36 - 4.43, OPT 4.36 - 4.48: see each family's targets).
+    models (GPT-Neo on transformers 4.36 - 4.44, BLOOM 4.36 - 4.43; with ``widen``, GPT-2 4.42 - 4.51 and OPT 4.36 -
+    4.48: see each family's targets).
 
     The helper fills a float32 tensor with ``finfo(float64).min`` and raises "value cannot be converted to type float
     without overflow" (vanilla transformers cannot run such a model at all).  The mask is built in float32: GPT-Neo
-    adds it to float32 scores anyway, BLOOM turns it into booleans, and OPT's float64 scores plus float32's minimum
-    give the same softmax (every masked score underflows to zero either way).
+    adds it to float32 scores anyway and BLOOM turns it into booleans.  With ``widen`` (families whose scores are
+    float64) the float32 mask is then turned into the float64 mask the helper meant to build: float32's minimum
+    becomes float64's, zeros stay zeros.
     """
     names = ("attention_mask", "input_shape", "inputs_embeds", "past_key_values_length", "sliding_window")
 
@@ -615,11 +617,21 @@ def make_prepare_4d_mask_for_float64(original: Any, _adapter: Any) -> Callable[.
         bound = {**dict(zip(names, args)), **kwargs}
         embeds = bound.get("inputs_embeds")
         if isinstance(embeds, torch.Tensor) and embeds.dtype == torch.float64 and not is_tracing(embeds):
-            bound["inputs_embeds"] = torch.empty(0, dtype=torch.float32, device=embeds.device)
-            return original(**bound)
+            # float32 in the shape of the embeddings (the sdpa helper reads it), as a view of one element
+            bound["inputs_embeds"] = torch.zeros((), dtype=torch.float32, device=embeds.device).expand(embeds.shape)
+            mask = original(**bound)
+            if widen and isinstance(mask, torch.Tensor) and mask.dtype == torch.float32:
+                masked = mask == torch.finfo(torch.float32).min
+                mask = mask.to(torch.float64).masked_fill_(masked, torch.finfo(torch.float64).min)
+            return mask
         return original(*args, **kwargs)
 
     return _mark(prepare_4d_causal_attention_mask)
+
+
+def make_prepare_4d_mask_in_float64(original: Any, adapter: Any) -> Callable[..., Any]:
+    """:func:`make_prepare_4d_mask_for_float64` for families that add the mask to float64 scores (GPT-2, OPT)."""
+    return make_prepare_4d_mask_for_float64(original, adapter, widen=True)
 
 
 __all__ = [
@@ -629,5 +641,6 @@ __all__ = [
     "make_get_stopping_criteria",
     "make_model_forward",
     "make_prepare_4d_mask_for_float64",
+    "make_prepare_4d_mask_in_float64",
     "make_prepare_inputs_for_generation",
 ]

@@ -128,7 +128,19 @@ GPT2 = Family(
     "GPT2Model",
     "GPT2LMHeadModel",
     "neofix._families.gpt2",
-    (Target("GPT2Model", "forward", wrapper="make_model_forward", required=True), *_generate_targets("GPT2LMHeadModel")),
+    (
+        Target("GPT2Model", "forward", wrapper="make_model_forward", required=True),
+        *_generate_targets("GPT2LMHeadModel"),
+        Target(
+            "",
+            "_prepare_4d_causal_attention_mask_for_sdpa",
+            wrapper="make_prepare_4d_mask_in_float64",
+            since="4.42",
+            until="4.52",
+            why="only transformers 4.42 - 4.51 build GPT-2's causal mask (sdpa attention, the default) through this "
+            "helper, which overflows in float64",
+        ),
+    ),
 )
 
 GPTJ = Family(
@@ -180,7 +192,7 @@ OPT = Family(
         Target(
             "",
             "_prepare_4d_causal_attention_mask",
-            wrapper="make_prepare_4d_mask_for_float64",
+            wrapper="make_prepare_4d_mask_in_float64",
             since="4.36",
             until="4.49",
             why="only transformers 4.36 - 4.48 build OPT's causal mask through these helpers, which overflow in float64",
@@ -188,7 +200,7 @@ OPT = Family(
         Target(
             "",
             "_prepare_4d_causal_attention_mask_for_sdpa",
-            wrapper="make_prepare_4d_mask_for_float64",
+            wrapper="make_prepare_4d_mask_in_float64",
             since="4.36",
             until="4.49",
             why="only transformers 4.36 - 4.48 build OPT's causal mask through these helpers, which overflow in float64",

@@ -85,11 +85,11 @@ METADATA = frozenset({"__get__", "dim", "size", "numel", "__len__", "stride", "i
 # --- models and inputs --------------------------------------------------------------------------------------------
 
 
-def build_model(name: str) -> Any:
+def build_model(name: str, family: str = "gpt_neo") -> Any:
     if name == "tiny":
-        from neofix.testing import tiny_gpt_neo
+        from neofix.testing import tiny_model
 
-        return tiny_gpt_neo(seed=0)
+        return tiny_model(family, seed=0)
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
     config = GPTNeoConfig(
@@ -232,12 +232,13 @@ class WrapperSwitch:
 
     _MISSING = object()
 
-    def __init__(self) -> None:
-        from neofix._families import GPT_NEO
+    def __init__(self, family: str = "gpt_neo") -> None:
+        from neofix._families import FAMILIES
 
-        module = importlib.import_module(GPT_NEO.module)
+        chosen = FAMILIES[family]
+        module = importlib.import_module(chosen.module)
         self.slots = []
-        for target in GPT_NEO.targets:
+        for target in chosen.targets:
             owner = getattr(module, target.owner, None) if target.owner else module
             if owner is not None and target.attribute != "generate":
                 self.slots.append((owner, target.attribute))
@@ -258,10 +259,10 @@ class WrapperSwitch:
         set_patched(True)
 
 
-def measure_steps(model: Any, ids: torch.Tensor, mask: torch.Tensor, pairs: int) -> dict[str, Any]:
+def measure_steps(model: Any, ids: torch.Tensor, mask: torch.Tensor, pairs: int, family: str = "gpt_neo") -> dict[str, Any]:
     set_patched(False)
     expected = generate(model, ids, mask)
-    switch = WrapperSwitch()
+    switch = WrapperSwitch(family)
     try:
 
         def run(phase: int) -> tuple[list[float], list[float]]:
@@ -447,6 +448,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="fewer pairs and one repeat: a smoke run")
     parser.add_argument("--models", default="tiny,125m", help="comma-separated: tiny, 125m (default: both)")
+    parser.add_argument("--family", default="gpt_neo", help="the model family of the tiny model (neofix.testing."
+                        "FAMILY_CONFIGS: gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom); 125m is GPT-Neo's only")
     parser.add_argument("--batches", default="1,4", help="comma-separated: 1, 4 (default: both)")
     parser.add_argument("--interleave", default="run,step", help="comma-separated: run, step (default: both)")
     parser.add_argument("--pairs", type=int, help="pairs per model, batch, interleaving and repeat (default: 20 / 10 "
@@ -470,6 +473,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for mode in args.interleave:
         if mode not in ("run", "step"):
             parser.error(f"unknown interleaving {mode!r}: choose from run, step")
+    from neofix.testing import FAMILY_CONFIGS
+
+    if args.family not in FAMILY_CONFIGS:
+        parser.error(f"unknown family {args.family!r}: choose from {', '.join(FAMILY_CONFIGS)}")
+    if args.family != "gpt_neo" and "125m" in args.models:
+        parser.error("--models 125m is GPT-Neo's 125M shape: use --models tiny with another --family")
     args.repeat = args.repeat or (1 if args.quick else 2)
     return args
 
@@ -482,10 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         f"Python {info['python']}; {info['cpu']} ({info['cpus']} CPUs), {info['torch_threads']} torch thread; "
         f"load average {load()}"
     )
-    print(f"greedy generate of {NEW_TOKENS} new tokens after a {PROMPT}-token prompt; single-thread CPU time\n")
+    print(f"family {args.family}: greedy generate of {NEW_TOKENS} new tokens after a {PROMPT}-token prompt; "
+          "single-thread CPU time\n")
     results: dict[str, Any] = {"machine": info, "load_start": load(), "timing": [], "checks": []}
     failed = []
-    built = {name: build_model(name) for name in args.models}
+    built = {name: build_model(name, args.family) for name in args.models}
     header = (
         f"{'model':5} {'batch':>5} {'interleave':>10} {'rep':>3} {'pairs':>5}  {'vanilla':>9} {'patched':>9} "
         f"{'+us/step':>8}  {'step ratio min / MEDIAN / max':>29}  {'target':>12}  {'end-to-end ratio':>25}"
@@ -503,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                     if mode == "run":
                         row = measure_runs(model, ids, mask, pairs, args.warmup)
                     else:
-                        row = measure_steps(model, ids, mask, pairs)
+                        row = measure_steps(model, ids, mask, pairs, args.family)
                     median = row["step_ratio"]["median"]
                     verdict = ("PASS" if median <= TARGETS[name] else "MISS") if mode == "step" else "(info)"
                     if verdict == "MISS" and args.strict:

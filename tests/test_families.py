@@ -312,6 +312,7 @@ def test_jit_trace_is_identical_to_vanilla(lm32):
     assert torch.equal(patched, plain)
 
 
+@pytest.mark.slow  # torch.compile / torch.export of seven models: on the oldest and newest releases
 def test_compiled_forward_is_identical_to_eager(lm32):
     ids = torch.randint(1, 96, (2, 6), generator=torch.Generator().manual_seed(2))
 
@@ -337,6 +338,7 @@ def test_compiled_forward_is_identical_to_eager(lm32):
     assert torch.equal(got, plain)
 
 
+@pytest.mark.slow  # torch.compile / torch.export of seven models: on the oldest and newest releases
 def test_torch_export_is_identical_to_vanilla(lm32):
     """``torch.export`` (non-strict): neofix steps aside, so the exported program is vanilla's; where vanilla cannot
     export the family on this release, neither can the patched model, with the same error."""

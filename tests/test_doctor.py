@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -23,6 +24,7 @@ import transformers
 import neofix
 from neofix import _cli, _errors, _lifecycle
 from neofix._doctor import Cell, _judge, _Outcome, _scenarios, shorten_error
+from neofix._families import FAMILIES
 from neofix.testing import tiny_gpt_neo
 
 from ._versions import TF_RELEASE
@@ -102,9 +104,14 @@ def test_command_prints_the_table():
     assert "every sequence crosses the local window" in out
     header = next(line for line in out.splitlines() if line.strip().startswith("scenario"))
     assert f"vanilla transformers {transformers.__version__}" in header and "neofix (repair mode)" in header
-    rows = [line for line in out.splitlines() if line.endswith("  ok")]
+    main_table, _, other_lines = out.partition("Other families")
+    rows = [line for line in main_table.splitlines() if line.endswith("  ok")]
     assert len(rows) == len(KEYS)
-    assert f"All {len(KEYS)} neofix verdicts are right" in out
+    # one line per other family, each with its quick self-check's verdicts, all right
+    verdicts = [line for line in other_lines.splitlines() if "neofix verdicts right" in line]
+    assert len(verdicts) == len(FAMILIES) - 1 and all(line.endswith("  ok") for line in verdicts), other_lines
+    quick = sum(int(line.split(" of ")[1].split()[0]) for line in verdicts)
+    assert f"All {len(KEYS) + quick} neofix verdicts are right" in out
     assert "WRONG" not in out and "Traceback" not in done.stderr
     # the vanilla failures and neofix's answers, in the table's words
     table = {line.split("  ")[1]: line for line in rows}
@@ -247,7 +254,9 @@ def test_exit_status_1_when_neofix_gets_a_scenario_wrong(monkeypatch, two_scenar
     assert stale.endswith("WRONG, expected reference tokens")
     generate = next(line for line in out.splitlines() if "generate, greedy" in line)
     assert generate.endswith("  ok")
-    assert "1 of 2 neofix verdicts are WRONG" in out
+    # the other families' quick checks (the same two scenarios each) count too: the broken wrapper is theirs as well
+    others = len(FAMILIES) - 1
+    assert re.search(rf"\b\d+ of {2 + 2 * others} neofix verdicts are WRONG", out), out
 
 
 class _Fake:

@@ -123,12 +123,13 @@ def as_table(report: Any) -> str:
                 f"error in {_vanilla_wrong(rows)}  {verdict}"
             )
     lines.append("")
-    right = sum(row.right for row in report.rows)
+    rows = list(report.rows) + [row for _, other in report.others if not isinstance(other, str) for row in other]
+    right = sum(row.right for row in rows)
     if report.all_right:
         lines.append(f"All {right} neofix verdicts are right ({report.seconds:.1f} s).")
     else:
         lines.append(
-            f"{len(report.rows) - right} of {len(report.rows)} neofix verdicts are WRONG ({report.seconds:.1f} s). "
+            f"{len(rows) - right} of {len(rows)} neofix verdicts are WRONG ({report.seconds:.1f} s). "
             f"Please report this with the output of 'neofix doctor --json'."
         )
     if report.mode == "strict":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import pickle
 import random
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 
 import neofix
 from neofix import _lifecycle
-from neofix._families import GPT_NEO
+from neofix._families import FAMILIES, GPT_NEO
 from neofix.testing import reference_greedy, tiny_gpt_neo
 
 from ._versions import cache_keyword, output_cache
@@ -25,17 +26,22 @@ MISSING = object()
 
 
 def targets():
-    """``(owner, attribute)`` of every patch target the installed transformers has and needs."""
+    """``(owner, attribute)`` of every patch target the installed transformers has and needs, in every family whose
+    modeling module is loaded (GPT-Neo's always; the others once a test has loaded them)."""
     from neofix import _compat
 
-    module = importlib.import_module(GPT_NEO.module)
+    importlib.import_module(GPT_NEO.module)
     found = []
-    for target in GPT_NEO.targets:
-        if not target.wrapper or not _compat.in_range(target.since, target.until):
+    for family in FAMILIES.values():
+        module = sys.modules.get(family.module)
+        if module is None:
             continue
-        owner = getattr(module, target.owner, None) if target.owner else module
-        if owner is not None and hasattr(owner, target.attribute):
-            found.append((owner, target.attribute))
+        for target in family.targets:
+            if not target.wrapper or not _compat.in_range(target.since, target.until):
+                continue
+            owner = getattr(module, target.owner, None) if target.owner else module
+            if owner is not None and hasattr(owner, target.attribute):
+                found.append((owner, target.attribute))
     return found
 
 

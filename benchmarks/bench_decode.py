@@ -259,7 +259,9 @@ class WrapperSwitch:
         set_patched(True)
 
 
-def measure_steps(model: Any, ids: torch.Tensor, mask: torch.Tensor, pairs: int, family: str = "gpt_neo") -> dict[str, Any]:
+def measure_steps(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, pairs: int, family: str = "gpt_neo"
+) -> dict[str, Any]:
     set_patched(False)
     expected = generate(model, ids, mask)
     switch = WrapperSwitch(family)

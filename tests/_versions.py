@@ -88,7 +88,7 @@ def legacy(cache):
 
 def as_cache_object(cache):
     """The cache as a ``DynamicCache`` (skip on releases without Cache objects)."""
-    from neofix import _caches, _compat
+    from neofix import _caches
 
     if not isinstance(cache, tuple):
         return cache

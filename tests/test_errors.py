@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 inf = float("inf")
 
 import neofix
-from neofix import _caches, _compat
+from neofix import _caches
 from neofix._families import gpt_neo
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 

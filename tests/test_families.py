@@ -214,7 +214,7 @@ def test_mask_longer_than_cache_and_input(lm):
     assert "A longer mask is ambiguous" in str(out)
 
 
-# -- generate parity ----------------------------------------------------------------------------------------------------
+# -- generate parity ---------------------------------------------------------------------------------------------------
 
 
 def generate(model, ids, mask, **kwargs):
@@ -271,7 +271,7 @@ def test_prompt_lookup_is_identical_to_vanilla(lm32):
     assert torch.equal(patched, plain)
 
 
-# -- never break --------------------------------------------------------------------------------------------------------
+# -- never break -------------------------------------------------------------------------------------------------------
 
 
 def test_training_step_is_identical_to_vanilla(lm32):
@@ -391,7 +391,7 @@ def test_classification_head_is_identical_to_vanilla(family):
     assert torch.equal(logits, plain_logits) and torch.equal(loss, plain_loss)
 
 
-# -- DecodeState and trace ----------------------------------------------------------------------------------------------
+# -- DecodeState and trace ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])

@@ -70,186 +70,118 @@ class Family:
         return importlib.import_module(self.adapter)
 
 
-GPT_NEO = Family(
+def _standard(
+    name: str,
+    title: str,
+    base_model: str,
+    causal_lm: str,
+    *more: Target,
+    no_stopping: str = "",
+    prepare_since: str | None = None,
+    prepare_why: str = "",
+) -> Family:
+    """A family patched the usual way: its base model's forward and ``generate``'s entry points on its causal LM
+    (input preparation, from ``prepare_since`` if given, with ``prepare_why`` for releases before it; ``generate``;
+    and the stopping criteria, which neofix makes stop at a position table, unless ``no_stopping`` says why not),
+    plus ``more``.  Its modeling module is ``transformers.models.<name>.modeling_<name>``."""
+    stopping = Target(
+        causal_lm,
+        "_get_stopping_criteria",
+        wrapper="" if no_stopping else "make_get_stopping_criteria",
+        required=not no_stopping,
+        why=no_stopping,
+    )
+    targets = (
+        Target(base_model, "forward", wrapper="make_model_forward", required=True),
+        Target(
+            causal_lm,
+            "prepare_inputs_for_generation",
+            wrapper="make_prepare_inputs_for_generation",
+            required=True,
+            since=prepare_since,
+            why=prepare_why,
+        ),
+        Target(causal_lm, "generate", wrapper="make_generate", required=True),
+        stopping,
+    )
+    return Family(
+        name,
+        title,
+        f"transformers.models.{name}.modeling_{name}",
+        base_model,
+        causal_lm,
+        f"neofix._families.{name}",
+        targets + more,
+    )
+
+
+def _float64_mask(helper: str, family: str, since: str, until: str, *, widen: bool = False) -> Target:
+    """The module-level causal-mask ``helper`` a family imported, which overflows for float64 models in
+    ``[since, until)``; ``widen`` for families that add the mask to float64 scores (see
+    :func:`neofix._wrappers.make_prepare_4d_mask_for_float64`)."""
+    wrapper = "make_prepare_4d_mask_in_float64" if widen else "make_prepare_4d_mask_for_float64"
+    last = f"{until.split('.')[0]}.{int(until.split('.')[1]) - 1}"
+    return Target(
+        "",
+        helper,
+        wrapper=wrapper,
+        since=since,
+        until=until,
+        why=f"only transformers {since} - {last} build {family}'s causal mask through this helper, which overflows "
+        f"in float64",
+    )
+
+
+GPT_NEO = _standard(
     "gpt_neo",
     "GPT-Neo",
-    "transformers.models.gpt_neo.modeling_gpt_neo",
     "GPTNeoModel",
     "GPTNeoForCausalLM",
-    "neofix._families.gpt_neo",
-    (
-        Target("GPTNeoModel", "forward", wrapper="make_model_forward", required=True),
-        Target(
-            "GPTNeoForCausalLM",
-            "prepare_inputs_for_generation",
-            wrapper="make_prepare_inputs_for_generation",
-            required=True,
-        ),
-        Target("GPTNeoForCausalLM", "generate", wrapper="make_generate", required=True),
-        Target("GPTNeoForCausalLM", "_get_stopping_criteria", wrapper="make_get_stopping_criteria", required=True),
-        Target(
-            "GPTNeoSelfAttention",
-            "forward",
-            wrapper="",
-            why="GPTNeoModel.forward reads every layer's cache length and refuses an uneven cache before any layer "
-            "runs, so the eager attention layers need no check of their own",
-        ),
-        Target("GPTNeoFlashAttention2", "forward", wrapper="make_flash_attention_forward", since="4.36"),
-        Target(
-            "",
-            "_prepare_4d_causal_attention_mask",
-            wrapper="make_prepare_4d_mask_for_float64",
-            since="4.36",
-            until="4.45",
-            why="only transformers 4.36 - 4.44 build GPT-Neo's causal mask through this helper, which overflows in "
-            "float64",
-        ),
+    Target(
+        "GPTNeoSelfAttention",
+        "forward",
+        wrapper="",
+        why="GPTNeoModel.forward reads every layer's cache length and refuses an uneven cache before any layer "
+        "runs, so the eager attention layers need no check of their own",
     ),
+    Target("GPTNeoFlashAttention2", "forward", wrapper="make_flash_attention_forward", since="4.36"),
+    _float64_mask("_prepare_4d_causal_attention_mask", "GPT-Neo", "4.36", "4.45"),
 )
 
-
-
-def _generate_targets(causal_lm: str, *, stopping: bool = True) -> tuple[Target, ...]:
-    """``generate``'s entry points on a causal LM: its input preparation, ``generate`` itself and (where the family
-    has a position table that generate can run past) the stopping criteria, which neofix makes stop at the table."""
-    targets = (
-        Target(causal_lm, "prepare_inputs_for_generation", wrapper="make_prepare_inputs_for_generation", required=True),
-        Target(causal_lm, "generate", wrapper="make_generate", required=True),
-    )
-    if stopping:
-        targets += (Target(causal_lm, "_get_stopping_criteria", wrapper="make_get_stopping_criteria", required=True),)
-    return targets
-
-
-GPT2 = Family(
-    "gpt2",
-    "GPT-2",
-    "transformers.models.gpt2.modeling_gpt2",
-    "GPT2Model",
-    "GPT2LMHeadModel",
-    "neofix._families.gpt2",
-    (
-        Target("GPT2Model", "forward", wrapper="make_model_forward", required=True),
-        *_generate_targets("GPT2LMHeadModel"),
-        Target(
-            "",
-            "_prepare_4d_causal_attention_mask_for_sdpa",
-            wrapper="make_prepare_4d_mask_in_float64",
-            since="4.42",
-            until="4.52",
-            why="only transformers 4.42 - 4.51 build GPT-2's causal mask (sdpa attention, the default) through this "
-            "helper, which overflows in float64",
-        ),
-    ),
+# GPT-2's sdpa attention (the default) builds its mask through the _for_sdpa helper
+GPT2 = _standard(
+    "gpt2", "GPT-2", "GPT2Model", "GPT2LMHeadModel",
+    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "GPT-2", "4.42", "4.52", widen=True),
 )
 
-GPTJ = Family(
-    "gptj",
-    "GPT-J",
-    "transformers.models.gptj.modeling_gptj",
-    "GPTJModel",
-    "GPTJForCausalLM",
-    "neofix._families.gptj",
-    (Target("GPTJModel", "forward", wrapper="make_model_forward", required=True), *_generate_targets("GPTJForCausalLM")),
-)
+GPTJ = _standard("gptj", "GPT-J", "GPTJModel", "GPTJForCausalLM")
 
-CODEGEN = Family(
-    "codegen",
-    "CodeGen",
-    "transformers.models.codegen.modeling_codegen",
-    "CodeGenModel",
-    "CodeGenForCausalLM",
-    "neofix._families.codegen",
-    (
-        Target("CodeGenModel", "forward", wrapper="make_model_forward", required=True),
-        *_generate_targets("CodeGenForCausalLM"),
-    ),
-)
+CODEGEN = _standard("codegen", "CodeGen", "CodeGenModel", "CodeGenForCausalLM")
 
-GPT_NEOX = Family(
-    "gpt_neox",
-    "GPT-NeoX",
-    "transformers.models.gpt_neox.modeling_gpt_neox",
-    "GPTNeoXModel",
-    "GPTNeoXForCausalLM",
-    "neofix._families.gpt_neox",
-    (
-        Target("GPTNeoXModel", "forward", wrapper="make_model_forward", required=True),
-        *_generate_targets("GPTNeoXForCausalLM"),
-    ),
-)
+GPT_NEOX = _standard("gpt_neox", "GPT-NeoX", "GPTNeoXModel", "GPTNeoXForCausalLM")
 
-OPT = Family(
+OPT = _standard(
     "opt",
     "OPT",
-    "transformers.models.opt.modeling_opt",
     "OPTDecoder",  # every step passes through the decoder (OPTModel.forward only hands the arguments on)
     "OPTForCausalLM",
-    "neofix._families.opt",
-    (
-        Target("OPTDecoder", "forward", wrapper="make_model_forward", required=True),
-        *_generate_targets("OPTForCausalLM", stopping=False),
-        Target(
-            "",
-            "_prepare_4d_causal_attention_mask",
-            wrapper="make_prepare_4d_mask_in_float64",
-            since="4.36",
-            until="4.49",
-            why="only transformers 4.36 - 4.48 build OPT's causal mask through these helpers, which overflow in float64",
-        ),
-        Target(
-            "",
-            "_prepare_4d_causal_attention_mask_for_sdpa",
-            wrapper="make_prepare_4d_mask_in_float64",
-            since="4.36",
-            until="4.49",
-            why="only transformers 4.36 - 4.48 build OPT's causal mask through these helpers, which overflow in float64",
-        ),
-        Target(
-            "OPTForCausalLM",
-            "_get_stopping_criteria",
-            wrapper="",
-            why="OPT counts positions over real tokens only (left padding takes none): whether generate runs past the "
-            "table depends on the mask's values, so neofix stops nothing early and names the overflow when it happens",
-        ),
-    ),
+    _float64_mask("_prepare_4d_causal_attention_mask", "OPT", "4.36", "4.49", widen=True),
+    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "OPT", "4.36", "4.49", widen=True),
+    no_stopping="OPT counts positions over real tokens only (left padding takes none): whether generate runs past "
+    "the table depends on the mask's values, so neofix stops nothing early and names the overflow when it happens",
 )
 
-BLOOM = Family(
+BLOOM = _standard(
     "bloom",
     "BLOOM",
-    "transformers.models.bloom.modeling_bloom",
     "BloomModel",
     "BloomForCausalLM",
-    "neofix._families.bloom",
-    (
-        Target("BloomModel", "forward", wrapper="make_model_forward", required=True),
-        Target(
-            "BloomForCausalLM",
-            "prepare_inputs_for_generation",
-            wrapper="make_prepare_inputs_for_generation",
-            required=True,
-            since="4.36",
-            why="before 4.36 the wrapper would read the cache's length as a (batch, heads, tokens, head_dim) cache's, "
-            "but BLOOM's keys there are (batch * heads, head_dim, tokens): it would feed the wrong tokens",
-        ),
-        Target("BloomForCausalLM", "generate", wrapper="make_generate", required=True),
-        Target(
-            "BloomForCausalLM",
-            "_get_stopping_criteria",
-            wrapper="",
-            why="BLOOM has no position table (ALiBi): no generate call runs past one, so there is nothing to refuse",
-        ),
-        Target(
-            "",
-            "_prepare_4d_causal_attention_mask",
-            wrapper="make_prepare_4d_mask_for_float64",
-            since="4.36",
-            until="4.44",
-            why="only transformers 4.36 - 4.43 build BLOOM's causal mask through this helper, which overflows in "
-            "float64 (BLOOM turns the mask into booleans, so one built in float32 is the same mask)",
-        ),
-    ),
+    # BLOOM turns the mask into booleans, so one built in float32 is the same mask
+    _float64_mask("_prepare_4d_causal_attention_mask", "BLOOM", "4.36", "4.44"),
+    no_stopping="BLOOM has no position table (ALiBi): no generate call runs past one, so there is nothing to refuse",
+    prepare_since="4.36",
+    prepare_why="before 4.36 the wrapper would read the cache's length as a (batch, heads, tokens, head_dim) cache's, "
+    "but BLOOM's keys there are (batch * heads, head_dim, tokens): it would feed the wrong tokens",
 )
 
 #: Every family neofix patches, by name.

@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _caches, _compat
-from .._core import CacheView, Limits
+from .._core import CacheView
 from .._errors import InputShapeError
 from . import BLOOM
+from ._common import make_limits, no_check
 
 FAMILY = BLOOM
 
@@ -37,16 +38,8 @@ TOKEN_TYPES_ARE_IDS = False
 POSITIONS = "none"
 
 
-def limits(config: Any) -> Limits:
-    """No position table (``max_positions`` is ``None``): ALiBi extrapolates, a sequence of any length is no error."""
-    heads = config.n_head
-    return Limits(
-        max_positions=None,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        heads=heads,
-        head_dim=config.hidden_size // heads,
-    )
+#: No position table (``max_positions`` is ``None``): ALiBi extrapolates, a sequence of any length is no error.
+limits = make_limits(table=None, width="hidden_size", heads="n_head")
 
 
 class LayerCount(int):
@@ -128,5 +121,5 @@ def read_fused(cache: Any, layer_count: int) -> CacheView:
     return CacheView(lengths[0], rows // heads, tuple(lengths), None, heads, head_dim, "legacy")
 
 
-def check_step(model: Any, cache: CacheView) -> None:
-    """BLOOM has no refusals of its own: no position table, no attention window."""
+#: BLOOM has no refusals of its own: no position table, no attention window.
+check_step = no_check

@@ -15,11 +15,10 @@ Measured with tiny random models, vanilla transformers 4.26 - 5.24: GPT-2 fails 
 
 from __future__ import annotations
 
-from typing import Any
-
-from .. import _caches, _compat
-from .._core import CacheView, Limits
+from .. import _compat
 from . import GPT2
+from ._common import make_layers, make_limits, no_check
+from ._common import read_cache as read_cache
 
 FAMILY = GPT2
 
@@ -36,25 +35,6 @@ TOKEN_TYPES_ARE_IDS = True
 POSITIONS = "absolute"
 
 
-def limits(config: Any) -> Limits:
-    heads = config.n_head
-    return Limits(
-        max_positions=config.n_positions,
-        vocab_size=config.vocab_size,
-        hidden_size=config.n_embd,
-        heads=heads,
-        head_dim=config.n_embd // heads,
-    )
-
-
-def layers(model: Any) -> int:
-    """The number of attention layers of a ``GPT2Model`` (each reads one layer of the cache)."""
-    return len(model.h)
-
-
-def read_cache(cache: Any, layer_count: int) -> CacheView:
-    return _caches.read(cache, layer_count)
-
-
-def check_step(model: Any, cache: CacheView) -> None:
-    """Nothing of GPT-2's own: its attention has no window."""
+limits = make_limits(table="n_positions", width="n_embd", heads="n_head")
+layers = make_layers("h")  # GPT2Model's blocks
+check_step = no_check

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _caches, _compat
-from .._core import CacheView, Limits
+from .. import _compat
+from .._core import CacheView
 from .._errors import AttentionWindowError
 from . import GPT_NEO
+from ._common import make_layers, make_limits
+from ._common import read_cache as read_cache
 
 FAMILY = GPT_NEO
 
@@ -33,24 +35,8 @@ TOKEN_TYPES_ARE_IDS = True
 POSITIONS = "absolute"
 
 
-def limits(config: Any) -> Limits:
-    heads = config.num_heads
-    return Limits(
-        max_positions=config.max_position_embeddings,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        heads=heads,
-        head_dim=config.hidden_size // heads,
-    )
-
-
-def layers(model: Any) -> int:
-    """The number of attention layers of a ``GPTNeoModel`` (each reads one layer of the cache)."""
-    return len(model.h)
-
-
-def read_cache(cache: Any, layer_count: int) -> CacheView:
-    return _caches.read(cache, layer_count)
+limits = make_limits(table="max_position_embeddings", width="hidden_size", heads="num_heads")
+layers = make_layers("h")  # GPTNeoModel's blocks
 
 
 def check_step(model: Any, cache: CacheView) -> None:

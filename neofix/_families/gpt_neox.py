@@ -21,11 +21,10 @@ Measured with tiny random models, vanilla transformers 4.26 - 5.24:
 from __future__ import annotations
 
 import sys
-from typing import Any
-
-from .. import _caches, _compat
-from .._core import CacheView, Limits
+from .. import _compat
 from . import GPT_NEOX
+from ._common import make_layers, make_limits, no_check
+from ._common import read_cache as read_cache
 
 FAMILY = GPT_NEOX
 
@@ -60,25 +59,8 @@ def _causal_buffer_is_fixed() -> bool:
 TABLE_IS_A_LIMIT = _causal_buffer_is_fixed()
 
 
-def limits(config: Any) -> Limits:
-    heads = config.num_attention_heads
-    return Limits(
-        max_positions=config.max_position_embeddings if TABLE_IS_A_LIMIT else None,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        heads=heads,
-        head_dim=config.hidden_size // heads,
-    )
-
-
-def layers(model: Any) -> int:
-    """The number of attention layers of a ``GPTNeoXModel`` (each reads one layer of the cache)."""
-    return len(model.layers)
-
-
-def read_cache(cache: Any, layer_count: int) -> CacheView:
-    return _caches.read(cache, layer_count)
-
-
-def check_step(model: Any, cache: CacheView) -> None:
-    """Nothing of GPT-NeoX's own: its attention has no window."""
+limits = make_limits(
+    table="max_position_embeddings" if TABLE_IS_A_LIMIT else None, width="hidden_size", heads="num_attention_heads"
+)
+layers = make_layers("layers")  # GPTNeoXModel's blocks
+check_step = no_check

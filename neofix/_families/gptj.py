@@ -21,11 +21,10 @@ Measured with tiny random models, vanilla transformers 4.26 - 5.24:
 
 from __future__ import annotations
 
-from typing import Any
-
-from .. import _caches, _compat
-from .._core import CacheView, Limits
+from .. import _compat
 from . import GPTJ
+from ._common import make_layers, make_limits, no_check
+from ._common import read_cache as read_cache
 
 FAMILY = GPTJ
 
@@ -45,27 +44,9 @@ TOKEN_TYPES_ARE_IDS = True
 POSITIONS = "rotary" if _compat.release() >= (4, 28) else "none"
 
 
-def limits(config: Any) -> Limits:
-    """The sinusoid table (and up to 4.27 the causal-mask buffer) has ``n_positions`` rows: past it is an error."""
-    heads = config.n_head
-    return Limits(
-        max_positions=config.n_positions,
-        vocab_size=config.vocab_size,
-        hidden_size=config.n_embd,
-        heads=heads,
-        head_dim=config.n_embd // heads,
-    )
-
-
-def layers(model: Any) -> int:
-    """The number of attention layers of a ``GPTJModel`` (each reads one layer of the cache)."""
-    return len(model.h)
-
-
-def read_cache(cache: Any, layer_count: int) -> CacheView:
-    return _caches.read(cache, layer_count)
-
-
-def check_step(model: Any, cache: CacheView) -> None:
-    """Nothing of GPT-J's own: its attention has no window, and a static cache's slots past the sequence are masked
-    by the 4D mask transformers builds for it."""
+#: The sinusoid table (and up to 4.27 the causal-mask buffer) has ``n_positions`` rows: past it is an error.
+limits = make_limits(table="n_positions", width="n_embd", heads="n_head")
+layers = make_layers("h")  # GPTJModel's blocks
+#: Its attention has no window, and a static cache's slots past the sequence are masked by the 4D mask transformers
+#: builds for it.
+check_step = no_check

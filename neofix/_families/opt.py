@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _caches, _compat
-from .._core import CacheView, Limits
+from .. import _compat
 from .._errors import SequenceTooLongError
 from . import OPT
+from ._common import make_layers, make_limits, no_check
+from ._common import read_cache as read_cache
 
 FAMILY = OPT
 
@@ -42,29 +43,10 @@ TOKEN_TYPES_ARE_IDS = False
 POSITIONS = "mask"
 
 
-def limits(config: Any) -> Limits:
-    """No limit in columns (``max_positions`` is ``None``): see the module's docstring and :func:`explain_overflow`."""
-    heads = config.num_attention_heads
-    return Limits(
-        max_positions=None,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        heads=heads,
-        head_dim=config.hidden_size // heads,
-    )
-
-
-def layers(model: Any) -> int:
-    """The number of attention layers of an ``OPTDecoder`` (each reads one layer of the cache)."""
-    return len(model.layers)
-
-
-def read_cache(cache: Any, layer_count: int) -> CacheView:
-    return _caches.read(cache, layer_count)
-
-
-def check_step(model: Any, cache: CacheView) -> None:
-    """Nothing of OPT's own: its attention has no window."""
+#: No limit in columns (``max_positions`` is ``None``): see the module's docstring and :func:`explain_overflow`.
+limits = make_limits(table=None, width="hidden_size", heads="num_attention_heads")
+layers = make_layers("layers")  # OPTDecoder's blocks
+check_step = no_check
 
 
 def explain_overflow(cause: IndexError, config: Any, mask: Any, positions: Any, past: int | None) -> None:

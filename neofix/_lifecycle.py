@@ -18,7 +18,7 @@ import warnings
 
 from . import _errors
 from ._errors import NeofixWarning, caller_stacklevel
-from ._families import FAMILIES, Family, Target
+from ._families import FAMILIES, GPT_NEO, Family, Target
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time (it is most of the import cost)
 if TYPE_CHECKING:
@@ -57,7 +57,8 @@ def is_patched() -> bool:
 
 
 def patch(families: Any = None) -> bool:
-    """Install neofix on transformers (importing the modeling modules it patches, if needed).
+    """Install neofix on transformers: GPT-Neo (importing its modeling module, if needed) and every other family
+    whose modeling module is loaded; the others are patched by their import hooks when transformers loads them.
 
     ``families``: the model families to patch, by name (``"gpt_neo"``, ``"gpt2"``, ...; see ``neofix.FAMILIES``);
     default: those ``NEOFIX_FAMILIES`` names, else every family.  Families not named are left alone (and a family
@@ -78,6 +79,8 @@ def patch(families: Any = None) -> bool:
                 continue
             if _applied.get(family.name):
                 continue
+            if family is not GPT_NEO and family.module not in sys.modules:
+                continue  # not loaded: its import hook patches it when transformers loads it
             try:
                 module = importlib.import_module(family.module)
             except Exception as exc:  # transformers missing or broken: tell, never crash the caller
@@ -123,19 +126,21 @@ def unpatch() -> bool:
 
 
 def status() -> list[tuple[str, str, str]]:
-    """``(target, state, reason)`` for every patch target; state is ``patched``, ``missing`` or ``skipped``
-    (``unpatched`` while neofix is not applied)."""
+    """``(target, state, reason)`` for every patch target; state is ``patched``, ``missing`` or ``skipped``,
+    ``pending`` for a family whose modeling module transformers has not loaded yet (its import hook patches it then),
+    ``unpatched`` while neofix is not applied."""
     with _lock:
         rows = []
         for family in FAMILIES.values():
+            if family.name not in _enabled:
+                unpatched = ("unpatched", f"{family.title} is not among the families patched (NEOFIX_FAMILIES or "
+                                          f"neofix.patch(families=...))")
+            elif _hooks_enabled and family.module not in sys.modules:
+                unpatched = ("pending", f"patched when transformers loads {family.module.rsplit('.', 1)[-1]}")
+            else:
+                unpatched = ("unpatched", "neofix is not applied")
             for target in family.targets:
                 name = target_name(family, target)
-                unpatched = (
-                    ("unpatched", "neofix is not applied")
-                    if family.name in _enabled
-                    else ("unpatched", f"{family.title} is not among the families patched (NEOFIX_FAMILIES or "
-                                       f"neofix.patch(families=...))")
-                )
                 rows.append((name, *_status.get(name, unpatched)))
         return rows
 

@@ -14,7 +14,7 @@ from transformers.models.gpt_neo import modeling_gpt_neo
 
 import neofix
 from neofix import _lifecycle
-from neofix._families import GPT_NEO
+from neofix._families import FAMILIES, GPT_NEO
 
 OWNERS = {
     "GPTNeoModel": "forward",
@@ -107,9 +107,14 @@ def test_status_names_every_target():
     assert rows["GPTNeoModel.forward"][0] == "patched"
     assert rows["GPTNeoSelfAttention.forward"][0] == "skipped"
     assert "refuses an uneven cache before any layer runs" in rows["GPTNeoSelfAttention.forward"][1]
-    assert set(rows) == {_lifecycle.target_name(GPT_NEO, target) for target in GPT_NEO.targets}
-    for state, reason in rows.values():
-        assert state in ("patched", "skipped") and reason
+    assert set(rows) == {_lifecycle.target_name(f, target) for f in FAMILIES.values() for target in f.targets}
+    for family in FAMILIES.values():
+        loaded = family.module in sys.modules
+        for target in family.targets:
+            state, reason = rows[_lifecycle.target_name(family, target)]
+            assert (state in ("patched", "skipped") if loaded else state == "pending") and reason, (target, state)
+            if not loaded:
+                assert reason == f"patched when transformers loads {family.module.rsplit('.', 1)[-1]}"
     neofix.unpatch()
     assert {state for _, state, _ in _lifecycle.status()} == {"unpatched"}
 
@@ -177,6 +182,25 @@ def test_import_neofix_before_transformers():
         """
     )
     assert out == [False, False, True, False]  # wrapt waits for GPT-Neo; a later patch() changes nothing
+
+
+def test_patch_loads_no_other_family_and_their_hooks_patch_them_later():
+    """``patch()`` imports GPT-Neo's modeling module only: another family is patched by its import hook, when
+    transformers loads it (after an unpatch/patch too)."""
+    out, _ = run_python(
+        """
+        import json, sys, neofix
+        from transformers import GPTNeoForCausalLM
+        neofix.unpatch()
+        patched = neofix.patch()
+        loaded = [m for m in sys.modules if m.startswith("transformers.models.") and m.endswith(
+            ("modeling_gpt2", "modeling_gptj", "modeling_codegen", "modeling_gpt_neox", "modeling_opt", "modeling_bloom"))]
+        from transformers import GPT2LMHeadModel
+        from transformers.models.gpt2 import modeling_gpt2
+        print(json.dumps([patched, loaded, getattr(modeling_gpt2.GPT2Model.forward, "__neofix_wrapper__", False)]))
+        """
+    )
+    assert out == [True, [], True]
 
 
 def test_explicit_patch_before_gpt_neo_is_imported_applies_once():
@@ -405,7 +429,7 @@ def test_patch_takes_the_families_to_patch():
         assert neofix.is_patched()
     finally:
         neofix.patch(families=neofix.FAMILIES)
-    with pytest.raises(ValueError, match=r"unknown model family \['gpt5'\]; choose from \['gpt_neo'"):
+    with pytest.raises(ValueError, match=r"unknown model family \['gpt5'\]; choose from \[.*'gpt_neo'"):
         neofix.patch(families=["gpt_neo", "gpt5"])
 
 

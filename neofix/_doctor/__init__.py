@@ -128,6 +128,11 @@ def run(
             f"transformers {transformers.__version__} cannot load {chosen.title} ({_one_line(exc)}); "
             f"reinstall transformers (neofix is tested with {_compat.SUPPORTED_TRANSFORMERS})"
         ) from exc
+    if others and model_path is None:  # their targets are listed too: loaded now, so the hooks patch them
+        for other in FAMILIES.values():
+            with contextlib.suppress(Exception), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                importlib.import_module(other.module)
     found_patched = _lifecycle.is_patched()
     with _preserved_state(transformers):
         model, described = _load_model(model_path, progress, family)

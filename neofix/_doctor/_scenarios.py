@@ -316,6 +316,8 @@ class Scenario(NamedTuple):
 def _positions_matter(scenario: Scenario, ctx: Context) -> Any:
     if ctx.positions_kind == "none":
         return "the model takes no position_ids (ALiBi)"
+    if not ctx.takes_positions:
+        return "the model takes no position_ids on this transformers release"
     if ctx.positions_kind == "rotary":
         if scenario.key == "stale_positions":  # which positions the cache was built with cannot be told
             return scenario._replace(reference=None, error=PositionError, strict_error=PositionError)

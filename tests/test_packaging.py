@@ -71,3 +71,13 @@ def test_the_tested_neofix_is_the_installed_one():
     )
     found = Path(metadata.distribution(DISTRIBUTION).locate_file("")).resolve()
     assert found == site_packages, f"importlib.metadata reads neofix's metadata from {found}, not {site_packages}"
+
+
+def test_the_changelog_has_a_dated_section_for_this_version():
+    """Keep a Changelog: the released version (what the package says) has its own dated section, under Unreleased."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text(encoding="utf-8")
+    sections = re.findall(r"^## \[([^\]]+)\](?: - (\d{4}-\d{2}-\d{2}))?$", text, re.M)
+    assert sections[0] == ("Unreleased", ""), sections[:2]
+    assert sections[1][0] == neofix.__version__ and sections[1][1], sections[:2]

@@ -61,6 +61,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     check_step = adapter.check_step
     positions_kind = adapter.POSITIONS
     explain_overflow = getattr(adapter, "explain_overflow", None)  # a family whose limit depends on values (OPT)
+    model_positions = positions_kind != "absolute"  # missing positions are the model's own business
     takes_positions = "position_ids" in names or "position_ids" in inspect.signature(original).parameters
     listeners = _reports.listeners
     pending = _reports.pending
@@ -79,7 +80,9 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
             _reports.poll()
         layers, limits = _model_facts(self, adapter)
         if len(args) <= 1 and first is not None and not settings.check_values and (args or "input_ids" in kwargs):
-            cache = aligned_decode_step(first, kwargs, layers, limits, read_cache, legacy_cache_rejected)
+            cache = aligned_decode_step(
+                first, kwargs, layers, limits, read_cache, legacy_cache_rejected, model_positions
+            )
             if cache is not None:
                 # the usual decode step, already aligned: align() would return every input unchanged
                 if right_padded:
@@ -259,7 +262,13 @@ def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple
 
 
 def aligned_decode_step(
-    input_ids: Any, kwargs: dict, layers: int, limits: Limits, read_cache: Any, legacy_cache_rejected: bool
+    input_ids: Any,
+    kwargs: dict,
+    layers: int,
+    limits: Limits,
+    read_cache: Any,
+    legacy_cache_rejected: bool,
+    model_positions: bool = False,
 ) -> Any:
     """The cache view of a decode step :func:`~neofix._core.align` would leave as it is (see
     :func:`~neofix._core.step_unchanged`, read from the call's arguments and the cache's shapes; no tensor is read),
@@ -289,6 +298,7 @@ def aligned_decode_step(
         None if cache_position is None else cache_position.shape[-1],
         view,
         limits.max_positions,
+        model_positions,
     )
     return view if unchanged else None
 

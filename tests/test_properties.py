@@ -651,3 +651,31 @@ def test_align_core(case):
         assert torch.equal(aligned.position_ids, positions[:, -case.new :])
     if aligned.position_ids is not None:
         assert aligned.position_ids.shape[-1] == case.new
+
+
+@PROPERTY
+@given(case=core_cases(), kind=st.sampled_from(["rotary", "mask", "none"]))
+def test_fast_path_of_families_that_make_their_own_positions(case, kind):
+    """Families whose missing positions are the model's own (rotary, OPT's mask-derived, ALiBi's none): where
+    ``step_unchanged(..., model_positions=True)`` says a step without positions is unchanged, align leaves it as it
+    is (and where it says so for a step with positions, so does the absolute-positions predicate)."""
+    ids = torch.randint(0, VOCAB, (case.batch, case.new), generator=torch.Generator().manual_seed(case.batch))
+    mask = None
+    if case.mask_rows is not None:
+        mask = torch.ones((case.mask_rows, case.mask_columns), dtype=torch.long)
+        if case.mask_columns:
+            mask[0, 0] = 0  # a left pad in row 0
+    view = CacheView(case.past, case.cache_batch, case.layers or None, None, None, None, "legacy")
+    shape = None if mask is None else mask.shape
+    args = (case.batch, case.new, shape, None, False, None, view, CORE_LIMITS.max_positions)
+    unchanged = step_unchanged(*args, True)
+    assert step_unchanged(*args) <= unchanged  # the absolute predicate is the stricter one
+    if not unchanged:
+        event("outcome: general path")
+        return
+    event("outcome: fast path")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", neofix.NeofixWarning)  # nothing to report either
+        aligned = align(StepInputs(ids, None, mask, None), view, CORE_LIMITS, Policy(strict=case.strict, positions=kind))
+    if aligned is not None:
+        assert not aligned.repairs and aligned.attention_mask is mask and aligned.position_ids is None

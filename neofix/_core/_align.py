@@ -68,6 +68,7 @@ def step_unchanged(
     cache_position_length: int | None,
     cache: CacheView,
     max_positions: int | None,
+    model_positions: bool = False,
 ) -> bool:
     """Whether :func:`align` (with ``check_values`` off) returns the step as given: nothing repaired, nothing raised,
     no value read.  Shapes and ints only, so that a model forward can skip :func:`align` for the hottest call there
@@ -76,7 +77,9 @@ def step_unchanged(
     True for one new token per row after a cache every layer of which holds the same ``p > 0`` tokens of the same
     rows, with ``p + 1`` within the position table, no token types, a ``cache_position`` of one entry or none, and
     either a 2D mask of ``p + 1`` columns with one position per row, or no mask (with one position per row or none:
-    transformers 5.x passes no mask for an unpadded batch).
+    transformers 5.x passes no mask for an unpadded batch).  ``model_positions``: the family leaves missing positions
+    to the model (``Policy.positions`` other than ``"absolute"``), so a mask of ``p + 1`` columns without positions
+    is unchanged too.
     """
     past = cache.length
     if new != 1 or not past or cache.batch != batch or token_types_given:
@@ -90,6 +93,8 @@ def step_unchanged(
         return False
     if mask_shape is None:
         return positions_shape is None or positions_shape == (batch, 1)
+    if positions_shape is None:
+        return model_positions and mask_shape == (batch, past + 1)
     return mask_shape == (batch, past + 1) and positions_shape == (batch, 1)
 
 

@@ -386,7 +386,11 @@ def neofix_work(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
         forwards[0] += 1  # after the first (prefill) forward, every call belongs to a decode step
 
     set_patched(True)
-    handle = model.transformer.register_forward_hook(count_forward)
+    from neofix._families import FAMILIES
+
+    bases = {family.base_model for family in FAMILIES.values()}  # the module every step passes (OPT: its decoder)
+    base = next(module for module in model.modules() if type(module).__name__ in bases)
+    handle = base.register_forward_hook(count_forward)
     try:
         with Recorder():
             generate(model, ids, mask)

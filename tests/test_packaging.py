@@ -73,11 +73,19 @@ def test_the_tested_neofix_is_the_installed_one():
     assert found == site_packages, f"importlib.metadata reads neofix's metadata from {found}, not {site_packages}"
 
 
-def test_the_changelog_has_a_dated_section_for_this_version():
-    """Keep a Changelog: the released version (what the package says) has its own dated section, under Unreleased."""
+def test_the_changelog_tells_this_version():
+    """Keep a Changelog: Unreleased first, then one dated section per released version, newest first.  The package's
+    version is either the newest dated one, or the next release, whose notes are under Unreleased until it is cut."""
     import re
+
+    from packaging.version import Version
 
     text = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text(encoding="utf-8")
     sections = re.findall(r"^## \[([^\]]+)\](?: - (\d{4}-\d{2}-\d{2}))?$", text, re.M)
     assert sections[0] == ("Unreleased", ""), sections[:2]
-    assert sections[1][0] == neofix.__version__ and sections[1][1], sections[:2]
+    released = [Version(version) for version, date in sections[1:]]
+    assert all(date for _, date in sections[1:]) and released == sorted(released, reverse=True), sections
+    if Version(neofix.__version__) != released[0]:
+        assert Version(neofix.__version__) > released[0], (neofix.__version__, released[0])
+        unreleased = text.split("## [Unreleased]", 1)[1].split("\n## [", 1)[0]
+        assert "\n- " in unreleased, "the next version's notes belong under Unreleased"

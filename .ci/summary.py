@@ -32,6 +32,17 @@ def pytest_summary(env: dict) -> str | None:
     return None
 
 
+def failure(env: dict) -> str | None:
+    """The last line printed by the env's first failing command (its ERROR line, for the pkg env's checks)."""
+    for command in env.get("test", []):
+        if command.get("retcode"):
+            text = command.get("output", "") + "\n" + command.get("err", "")
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            name = " ".join(command["command"][:2]).rsplit("/", 1)[-1]
+            return f"{name} exited with {command['retcode']}: {lines[-1] if lines else '(no output)'}"
+    return None
+
+
 def main(report: str, envs: list[str]) -> int:
     with open(report, encoding="utf-8") as file:
         results = json.load(file)["testenvs"]
@@ -49,7 +60,7 @@ def main(report: str, envs: list[str]) -> int:
         is_test_env = any(runs_pytest(command) for command in env.get("test", []))
         ok = result["success"] and (summary is not None or not is_test_env)
         bad += not ok
-        line = summary if is_test_env else "(no pytest in this env)"
+        line = summary if is_test_env else (failure(env) if not ok else None) or "(no pytest in this env)"
         print(
             f"{name:<16} {'ok' if ok else 'FAILED':<7} {result['duration']:>5.0f}s  "
             f"{packages.get('transformers', '-'):<13} {line or 'no pytest summary line: see the log above'}"

@@ -122,6 +122,25 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                     if explain_overflow is not None:
                         explain_overflow(exc, self.config, kwargs.get("attention_mask"), None, 0)
                     raise
+            if prefilled is not None and not prefilled.right_padded and takes_positions:
+                # a left-padded forward without a cache: the positions derived from the mask are the one change
+                positions = kwargs["position_ids"] = prefilled.positions
+                _reports.warn_repairs(prefilled.repairs)
+                if listeners:
+                    mask = kwargs.get("attention_mask")
+                    _reports.emit(
+                        StepInfo(
+                            self, first.shape[0], first.shape[1], 0, None if mask is None else mask.shape[-1], mask,
+                            positions, tuple(repair.kind for repair in prefilled.repairs),
+                        )
+                    )
+                try:
+                    return original(self, *args, **kwargs)
+                except IndexError as exc:
+                    explain_index_error(exc, limits, first, None, positions)
+                    if explain_overflow is not None:
+                        explain_overflow(exc, self.config, kwargs.get("attention_mask"), positions, 0)
+                    raise
         if args:  # generate and the heads pass input_ids alone positionally: skip zip() for that case
             kwargs = {first_name: args[0], **kwargs} if len(args) == 1 else {**dict(zip(names, args)), **kwargs}
         input_ids = kwargs.get("input_ids")

@@ -264,17 +264,17 @@ PREFILL_MASKS = {
 
 
 def read_both_ways(ids, mask, limits, past=0):
-    """``read_prefill`` through NumPy (the CPU path) and through torch operations (the path accelerators take)."""
+    """``read_prefill`` through scalar reads (the CPU path) and through one read (the path accelerators take)."""
     outcomes = []
-    for numpy_on_cpu in (True, False):
-        _values.NUMPY_ON_CPU = numpy_on_cpu
+    for scalars in (True, False):
+        _values.READ_SCALARS_ON_CPU = scalars
         try:
             settled = _values.read_prefill(ids, mask, limits, past=past)
             outcomes.append((settled.positions, settled.right_padded, [r.kind for r in settled.repairs]))
         except neofix.NeofixError as exc:
             outcomes.append((type(exc), str(exc)))
         finally:
-            _values.NUMPY_ON_CPU = True
+            _values.READ_SCALARS_ON_CPU = True
     return outcomes
 
 
@@ -285,14 +285,14 @@ def test_prefill_reads_agree_on_the_cpu_and_accelerator_paths(model, name, bad_i
     if bad_id is not None:
         ids[1, 3] = bad_id
     mask = None if PREFILL_MASKS[name] is None else torch.tensor(PREFILL_MASKS[name])
-    numpy_way, torch_way = read_both_ways(ids, mask, gpt_neo.limits(model.config))
-    if isinstance(numpy_way[0], type):  # an error: the same class and message either way
-        assert numpy_way == torch_way
+    cpu_way, torch_way = read_both_ways(ids, mask, gpt_neo.limits(model.config))
+    if isinstance(cpu_way[0], type):  # an error: the same class and message either way
+        assert cpu_way == torch_way
         expected = TokenIdError if bad_id is not None else MaskValueError
-        assert numpy_way[0] is expected
+        assert cpu_way[0] is expected
         return
     assert bad_id is None and name not in ("a 2", "a -1")
-    (positions, right, kinds), (other_positions, other_right, other_kinds) = numpy_way, torch_way
+    (positions, right, kinds), (other_positions, other_right, other_kinds) = cpu_way, torch_way
     assert right == other_right and kinds == other_kinds
     assert (positions is None) == (other_positions is None)
     if positions is None:  # left to transformers: only where its arange is the mask's for every real token
@@ -304,22 +304,52 @@ def test_prefill_reads_agree_on_the_cpu_and_accelerator_paths(model, name, bad_i
     assert right == ((1,) if name == "right-padded" else (0,) if name == "both" else ())
 
 
+try:
+    from hypothesis import given
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover
+    given = None
+
+
+if given is not None:
+
+    @given(
+        st.integers(1, 4).flatmap(
+            lambda width: st.lists(st.lists(st.integers(0, 1), min_size=width, max_size=width), min_size=1, max_size=4)
+        ),
+        st.integers(0, 3),
+    )
+    def test_padded_mask_reads_agree_on_the_cpu_and_accelerator_paths(model, rows, past):
+        """Any 0/1 mask, as a prefill or as a chunk after cached tokens: the CPU path's list reads
+        (``_row_steps``) settle it as the torch operations accelerators run do."""
+        mask = torch.tensor(rows)
+        new = mask.shape[1] - past
+        if new < 1 or (past and new < 2):
+            return
+        ids = torch.arange(mask.shape[0] * new).view(mask.shape[0], new) % 90 + 1
+        cpu_way, torch_way = read_both_ways(ids, mask, gpt_neo.limits(model.config), past=past)
+        assert cpu_way[1:] == torch_way[1:]
+        assert (cpu_way[0] is None) == (torch_way[0] is None)
+        if cpu_way[0] is not None:
+            assert torch.equal(cpu_way[0], torch_way[0])
+
+
 @pytest.mark.parametrize("name", ["unpadded", "left-padded", "both", "a gap", "a 2"])
 def test_chunk_reads_agree_on_the_cpu_and_accelerator_paths(model, name):
     """A chunk after 3 cached tokens: the mask covers them too; right padding is only said at a prefill."""
     ids = torch.tensor([[7, 8], [9, 10]])
     mask = torch.tensor(PREFILL_MASKS[name])
-    numpy_way, torch_way = read_both_ways(ids, mask, gpt_neo.limits(model.config), past=3)
-    if isinstance(numpy_way[0], type):
-        assert numpy_way == torch_way and numpy_way[0] is MaskValueError
+    cpu_way, torch_way = read_both_ways(ids, mask, gpt_neo.limits(model.config), past=3)
+    if isinstance(cpu_way[0], type):
+        assert cpu_way == torch_way and cpu_way[0] is MaskValueError
         return
-    assert numpy_way[1] == torch_way[1] == ()
-    if numpy_way[0] is None:
+    assert cpu_way[1] == torch_way[1] == ()
+    if cpu_way[0] is None:
         assert torch_way[0] is None and name == "unpadded"
     else:
-        assert torch.equal(numpy_way[0], torch_way[0])
+        assert torch.equal(cpu_way[0], torch_way[0])
         real = mask[:, -2:] != 0
-        assert torch.equal(numpy_way[0][real], reference_positions(mask)[:, -2:][real])
+        assert torch.equal(cpu_way[0][real], reference_positions(mask)[:, -2:][real])
 
 
 def test_plain_forwards_take_the_prefill_path(model, monkeypatch):

@@ -113,8 +113,22 @@ def settle(
     return _read_once(step, compare, repairs)
 
 
-#: Read CPU tensors with NumPy (tests turn it off to run the torch path accelerators take, on the CPU).
-NUMPY_ON_CPU = True
+def _row_steps(rows: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    """Per row of a 0/1 mask read as lists: the lowest and highest step between neighbouring columns (-1: a real
+    token followed by a pad, +1: a pad followed by a real token, else 0) and the last column, as the torch path
+    computes them with ``diff`` and ``aminmax``; list searches run at C speed, where a torch operation costs several
+    microseconds on the CPU."""
+    lows, highs = [], []
+    for row in rows:
+        pad = row.index(0) if 0 in row else -1
+        real = row.index(1) if 1 in row else -1
+        highs.append(1 if pad >= 0 and 1 in row[pad + 1 :] else 0)
+        lows.append(-1 if real >= 0 and 0 in row[real + 1 :] else 0)
+    return lows, highs, [row[-1] for row in rows]
+
+
+#: Read CPU tensors' reductions one by one (tests turn it off to run the path accelerators take, on the CPU).
+READ_SCALARS_ON_CPU = True
 
 
 def prefill_fits(past: int | None, positions: Any, token_types: Any, input_ids: Any, mask: Any) -> bool:
@@ -146,29 +160,29 @@ def read_prefill(
     given long ``input_ids`` and a long 2D mask as wide as them (or none), and no positions; or a chunk of a prefill
     after ``past`` cached tokens, with the mask over the cached and new tokens.
 
-    The checks of :func:`_read_once` in as few operations as they take: on the CPU with NumPy over the tensors' own
-    memory (where every torch operation costs several microseconds), elsewhere with torch operations and one read.
-    Returns positions ``None`` where transformers' own are the mask's already (no left padding).  The repair it may
-    add (``positions_derived``, warned once on a prefill) is in the returned ``repairs``.
+    The checks of :func:`_read_once` in as few operations as they take.  On the CPU, where a read waits for
+    nothing, two reductions read as Python scalars settle the usual forward (no padding), and a padded mask is read
+    once as lists (:func:`_row_steps`); NumPy over the tensors' memory was tried and costs more there, since its
+    first calls after a forward start cold.  Elsewhere torch operations and one read.  Returns positions ``None`` where transformers' own are the
+    mask's already (no left padding).  The repair it may add (``positions_derived``, warned once on a prefill) is in
+    the returned ``repairs``.
     """
     new = input_ids.shape[-1]
-    if NUMPY_ON_CPU and input_ids.device.type == "cpu" and (mask is None or mask.device.type == "cpu"):
-        ids = input_ids.numpy()  # CPU memory: nothing to wait for, nothing copied
-        low_id, high_id = ids.min(), ids.max()
-        if not (0 <= low_id and high_id < limits.vocab_size):
+    if READ_SCALARS_ON_CPU and input_ids.device.type == "cpu" and (mask is None or mask.device.type == "cpu"):
+        low, high = torch.aminmax(input_ids)
+        if not (0 <= low.item() and high.item() < limits.vocab_size):
             raise_token_id_error(input_ids, limits.vocab_size)
         if mask is None:
             return _UNCHANGED
-        steps = mask.numpy()
-        low_mask, high_mask = steps.min(), steps.max()
+        low, high = torch.aminmax(mask)
+        low_mask, high_mask = low.item(), high.item()
         if low_mask == 1 and high_mask == 1:  # every token real: nothing else to learn
             return _UNCHANGED
         if not (0 <= low_mask and high_mask <= 1):
             _raise_mask_value_error(mask)
-        if steps.shape[-1] < 2:  # one column: no step from a pad to a real token or back
+        if mask.shape[-1] < 2:  # one column: no step from a pad to a real token or back
             return _UNCHANGED
-        step = steps[:, 1:] - steps[:, :-1]  # per row: +1 pad -> real, -1 real -> pad
-        lows, highs, last = step.min(-1).tolist(), step.max(-1).tolist(), steps[:, -1].tolist()
+        lows, highs, last = _row_steps(mask.tolist())
     else:
         rows = input_ids.shape[0]
         if mask is None:
@@ -202,7 +216,9 @@ def read_prefill(
     derived = Repair(POSITIONS_DERIVED, lambda: _from_mask_message(mask) if not past else "")
     if padded_after:  # keep transformers' positions for pads after a row's last real token
         return Settled(_mask_positions(mask, new, past, None), True, None, right_padded, (derived,))
-    return Settled((mask.cumsum(-1)[:, -new:] - 1).clamp_(min=0), True, None, right_padded, (derived,))
+    counted = mask.cumsum(-1)  # real tokens up to each column (a fresh tensor: changed in place)
+    counted = counted.sub_(1) if not past else counted[:, -new:] - 1
+    return Settled(counted.clamp_min_(0), True, None, right_padded, (derived,))
 
 
 # -- steps that read nothing -------------------------------------------------------------------------------------

@@ -103,34 +103,32 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                         explain_overflow(exc, self.config, kwargs.get("attention_mask"), kwargs.get("position_ids"),
                                          cache.length)
                     raise
-        prefilled = None
+        prefilled = chunk_view = None
         if len(args) <= 1 and first is not None and (args or "input_ids" in kwargs):
-            prefilled = plain_prefill(first, kwargs, limits, positions_kind == "absolute")
-            if prefilled is not None and prefilled.positions is None and not prefilled.right_padded:
-                # the usual forward without a cache (training, scoring, heads): values read, nothing to change
+            prefilled, chunk_view = plain_forward(
+                first, kwargs, layers, limits, read_cache, legacy_cache_rejected, positions_kind == "absolute"
+            )
+            if prefilled is not None and not prefilled.right_padded and (
+                prefilled.positions is None or takes_positions
+            ):
+                # The usual forward without a cache (training, scoring, heads, a loop's first forward), or a chunk of
+                # a prompt after a cache with a mask over both: values read, and nothing to change but the positions
+                # derived from a left-padded mask.
+                past = 0
+                if chunk_view is not None:
+                    past = chunk_view.length
+                    check_step(self, chunk_view)
+                    if right_padded:
+                        _check_right_padding(kwargs)
+                positions = prefilled.positions
+                if positions is not None:
+                    kwargs["position_ids"] = positions
+                    _reports.warn_repairs(prefilled.repairs)
                 if listeners:
                     mask = kwargs.get("attention_mask")
                     _reports.emit(
                         StepInfo(
-                            self, first.shape[0], first.shape[1], 0, None if mask is None else mask.shape[-1], mask,
-                            None, (),
-                        )
-                    )
-                try:
-                    return original(self, *args, **kwargs)
-                except IndexError as exc:
-                    if explain_overflow is not None:
-                        explain_overflow(exc, self.config, kwargs.get("attention_mask"), None, 0)
-                    raise
-            if prefilled is not None and not prefilled.right_padded and takes_positions:
-                # a left-padded forward without a cache: the positions derived from the mask are the one change
-                positions = kwargs["position_ids"] = prefilled.positions
-                _reports.warn_repairs(prefilled.repairs)
-                if listeners:
-                    mask = kwargs.get("attention_mask")
-                    _reports.emit(
-                        StepInfo(
-                            self, first.shape[0], first.shape[1], 0, None if mask is None else mask.shape[-1], mask,
+                            self, first.shape[0], first.shape[1], past, None if mask is None else mask.shape[-1], mask,
                             positions, tuple(repair.kind for repair in prefilled.repairs),
                         )
                     )
@@ -139,7 +137,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                 except IndexError as exc:
                     explain_index_error(exc, limits, first, None, positions)
                     if explain_overflow is not None:
-                        explain_overflow(exc, self.config, kwargs.get("attention_mask"), positions, 0)
+                        explain_overflow(exc, self.config, kwargs.get("attention_mask"), positions, past)
                     raise
         if args:  # generate and the heads pass input_ids alone positionally: skip zip() for that case
             kwargs = {first_name: args[0], **kwargs} if len(args) == 1 else {**dict(zip(names, args)), **kwargs}
@@ -220,29 +218,58 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     return _mark(forward)
 
 
-def plain_prefill(input_ids: Any, kwargs: dict, limits: Limits, derive: bool = True) -> Any:
-    """The values of a forward without a cache, positions, token types or embeddings (the usual training, scoring and
-    classification call, and a loop's first forward), read by :func:`~neofix._core.read_prefill`; ``None`` for any
-    other call (the general path aligns it).  Shapes are checked first, from the call's arguments alone."""
+def plain_forward(
+    input_ids: Any,
+    kwargs: dict,
+    layers: int,
+    limits: Limits,
+    read_cache: Any,
+    legacy_cache_rejected: bool,
+    derive: bool = True,
+) -> tuple[Any, Any]:
+    """The values of a forward given ``input_ids`` and a 2D mask (or none) and no positions, token types, embeddings
+    or ``cache_position``: without a cache (the usual training, scoring and classification call, and a loop's first
+    forward), or a chunk of two or more tokens after a cache whose every layer holds the same ``p`` tokens of the same
+    rows, with a mask over the ``p`` cached and the new tokens.  Read by :func:`~neofix._core.read_prefill`, as
+    :func:`~neofix._core.align` would read them: ``(settled, cache view)`` (the view ``None`` without a cache), or
+    ``(None, None)`` for any other call, and for any call ``align`` would refuse before reading a value (the general
+    path aligns those, and says what is wrong).  Shapes are checked first, from the call's arguments alone."""
     if (
-        kwargs.get("cache") is not None
-        or kwargs.get("past_key_values") is not None
-        or kwargs.get("position_ids") is not None
+        kwargs.get("position_ids") is not None
         or kwargs.get("token_type_ids") is not None
         or kwargs.get("inputs_embeds") is not None
         or kwargs.get("cache_position") is not None
     ):
-        return None
+        return None, None
+    cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
     mask = kwargs.get("attention_mask")
     shape = input_ids.shape
+    if len(shape) != 2 or shape[1] == 0:
+        return None, None
+    max_positions = limits.max_positions
+    if cache is None:
+        if (max_positions is not None and shape[1] > max_positions) or not prefill_fits(0, None, None, input_ids, mask):
+            return None, None
+        return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), None
+    if mask is None or (type(cache) is tuple and legacy_cache_rejected):  # a rejected tuple: the general path wraps it
+        return None, None
+    view = read_cache(cache, layers)
+    past, lengths = view.length, view.layer_lengths
     if (
-        len(shape) != 2
-        or shape[1] == 0
-        or (limits.max_positions is not None and shape[1] > limits.max_positions)
-        or not prefill_fits(0, None, None, input_ids, mask)
+        not past
+        or view.batch != shape[0]
+        or lengths is None
+        or lengths.count(past) != len(lengths)
+        or (
+            view.heads is not None
+            and limits.heads is not None
+            and (view.heads != limits.heads or view.head_dim != limits.head_dim)
+        )
+        or (max_positions is not None and past + shape[1] > max_positions)
+        or not prefill_fits(past, None, None, input_ids, mask)
     ):
-        return None
-    return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive)
+        return None, None
+    return read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive), view
 
 
 def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple, kwargs: dict, adapter: Any) -> Any:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
+import warnings
 
 import pytest
 import torch
 import transformers
 
 import neofix
-from neofix import _wrappers
+from neofix import _errors, _wrappers
 from neofix._core import Policy, StepInputs, align
 from neofix._families import gpt_neo
 from neofix.testing import reference_positions, tiny_gpt_neo
@@ -353,20 +354,74 @@ def test_chunk_reads_agree_on_the_cpu_and_accelerator_paths(model, name):
 
 
 def test_plain_forwards_take_the_prefill_path(model, monkeypatch):
-    """Training, scoring and classification calls are read by read_prefill, and changed only where left-padded."""
+    """Training, scoring and classification calls are read by read_prefill, and changed only where left-padded; so
+    is a chunk after a cache with a mask over both."""
     taken = []
-    real = _wrappers.plain_prefill
+    real = _wrappers.plain_forward
 
     def spy(*args):
         result = real(*args)
-        taken.append(result is not None)
+        taken.append((result[0] is not None, result[1] is not None))
         return result
 
-    monkeypatch.setattr(_wrappers, "plain_prefill", spy)
+    monkeypatch.setattr(_wrappers, "plain_forward", spy)
     ids, mask = left_padded_batch([5, 5])
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)  # causal LM
         model(input_ids=ids, attention_mask=mask, labels=ids)  # with a loss
         model(input_ids=ids)  # no mask
         model(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask))  # positions: general path
-    assert taken == [True, True, True, False]
+        cache = output_cache(model(input_ids=ids[:, :3], attention_mask=mask[:, :3], use_cache=True))
+        model(input_ids=ids[:, 3:], attention_mask=mask, **{cache_keyword(): cache})  # a chunk: mask over both
+    assert taken == [(True, False)] * 3 + [(False, False), (True, False), (True, True)]
+
+
+CHUNK_FAMILIES = ["gpt_neo", "gptj", "opt", "bloom"]  # absolute, rotary, positions from the mask, no positions
+_CHUNK_MODELS: dict = {}
+
+
+def _chunk_model(family):
+    from neofix.testing import tiny_model
+
+    if family not in _CHUNK_MODELS:
+        _CHUNK_MODELS[family] = tiny_model(family)
+    return _CHUNK_MODELS[family]
+
+
+if given is not None:
+
+    @pytest.mark.parametrize("family", CHUNK_FAMILIES)
+    @given(
+        st.lists(st.lists(st.integers(0, 1), min_size=7, max_size=7), min_size=1, max_size=3),
+        st.integers(1, 5),
+        st.sampled_from(["none", "transformers", "mask"]),
+    )
+    def test_fast_forwards_compute_what_the_general_path_computes(family, rows, past, uncached):
+        """Whatever mask a prefill or a chunk after ``past`` cached tokens comes with, the fast path
+        (:func:`plain_forward`) gives the logits, warnings and trace record the general path (``align``) gives."""
+        model = _chunk_model(family)
+        mask = torch.tensor(rows)
+        ids = (torch.arange(mask.numel()).view(mask.shape) * 7) % 90 + 1
+        prefill = {"input_ids": ids[:, :past], "attention_mask": mask[:, :past], "use_cache": True}
+        if uncached == "none":
+            chunk = {"input_ids": ids, "attention_mask": mask}  # no cache: the whole row at once
+        else:
+            chunk = {"input_ids": ids[:, past:], "attention_mask": mask}
+        outcomes = []
+        for fast in (True, False):
+            neofix.configure(uncached_positions="transformers" if uncached == "transformers" else "mask")
+            _errors.reset_warnings()
+            with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if not fast:
+                    patch.setattr(_wrappers, "plain_forward", lambda *args: (None, None))
+                with torch.no_grad(), neofix.trace(model) as steps:
+                    if uncached != "none":
+                        cache = output_cache(model(**prefill))
+                        chunk[cache_keyword()] = cache
+                    logits = model(**chunk).logits
+            outcomes.append((logits, [str(w.message) for w in caught], list(steps)))
+        neofix.configure(uncached_positions="mask")
+        (fast_logits, fast_warnings, fast_steps), (logits, warned, steps) = outcomes
+        torch.testing.assert_close(fast_logits, logits, rtol=0, atol=0, equal_nan=True)  # all-pad rows: NaN
+        assert fast_warnings == warned and fast_steps == steps

@@ -115,37 +115,40 @@ def test_left_padded_custom_positions_are_left_as_given(model):
 # -- right padding at the start of decoding -------------------------------------------------------------------------
 
 
-def right_padded_loop(model, steps=3):
-    """A prompt batch right-padded (as GPT-2 / GPT-Neo tokenizers pad by default), decoded by hand."""
+def right_padded_loop(model, steps=3, chunk=1):
+    """A prompt batch right-padded (as GPT-2 / GPT-Neo tokenizers pad by default), decoded by hand (``chunk``
+    tokens per forward: more than one is a chunk after the cache, which takes the chunk path)."""
     ids = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
         for _ in range(steps):
-            mask = torch.cat([mask, mask.new_ones(2, 1)], -1)
+            mask = torch.cat([mask, mask.new_ones(2, chunk)], -1)
             out = model(
-                input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, use_cache=True,
+                input_ids=out.logits[:, -1:].argmax(-1).repeat(1, chunk), attention_mask=mask, use_cache=True,
                 **{cache_keyword(): output_cache(out)},
             )
     return out
 
 
-def test_right_padding_is_said_when_decoding_starts(model):
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_right_padding_is_said_when_decoding_starts(model, chunk):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        right_padded_loop(model)
+        right_padded_loop(model, chunk=chunk)
     messages = said(caught)
     assert len(messages) == 1, messages
     assert "decoding continues from a cache whose prompt had right padding in row 1" in messages[0]
     assert "tokenizer.padding_side = 'left'" in messages[0]
 
 
-def test_right_padding_strict_raises_at_the_first_decode_step(model, strict):
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_right_padding_strict_raises_at_the_first_decode_step(model, strict, chunk):
     forwards = []
     handle = model.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
     try:
         with pytest.raises(neofix.MaskValueError, match="right padding in row 1"):
-            right_padded_loop(model)
+            right_padded_loop(model, chunk=chunk)
     finally:
         handle.remove()
     assert len(forwards) == 2  # the prefill ran (a right-padded forward is fine on its own); decoding from it is not

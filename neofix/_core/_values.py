@@ -163,9 +163,9 @@ def read_prefill(
     The checks of :func:`_read_once` in as few operations as they take.  On the CPU, where a read waits for
     nothing, two reductions read as Python scalars settle the usual forward (no padding), and a padded mask is read
     once as lists (:func:`_row_steps`); NumPy over the tensors' memory was tried and costs more there, since its
-    first calls after a forward start cold.  Elsewhere torch operations and one read.  Returns positions ``None`` where transformers' own are the
-    mask's already (no left padding).  The repair it may add (``positions_derived``, warned once on a prefill) is in
-    the returned ``repairs``.
+    first calls after a forward start cold.  Elsewhere torch operations and one read.  Returns positions ``None``
+    where transformers' own are the mask's already (no left padding).  The repair it may add (``positions_derived``,
+    warned once on a prefill) is in the returned ``repairs``.
     """
     new = input_ids.shape[-1]
     if READ_SCALARS_ON_CPU and input_ids.device.type == "cpu" and (mask is None or mask.device.type == "cpu"):

@@ -21,13 +21,11 @@ single-token decode step adds no tensor -> Python conversion (no host-device syn
 from __future__ import annotations
 
 import re
-import sys
 import warnings
 from typing import Any, Callable, NamedTuple
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 inf = float("inf")
 
@@ -36,6 +34,7 @@ from neofix import _caches
 from neofix._families import gpt_neo
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 
+from ._sync import HostReads
 from ._vanilla import MEASURED, VANILLA, assert_vanilla, expected, nearest_measured, table_problems
 from ._versions import cache_keyword, has, legacy, output_cache, requires
 from .loops import left_padded_batch
@@ -766,38 +765,12 @@ def test_check_values_leaves_well_formed_generate_alone(model):
     assert torch.equal(out, reference_greedy(model, ids, mask, 5))
 
 
-class Conversions(TorchFunctionMode):
-    """Counts tensor -> Python conversions (each one is a host-device synchronisation on an accelerator).
-
-    ``by_neofix`` counts those whose first caller outside torch is neofix itself; ``total`` counts all of them.
-    """
-
-    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-        self.by_neofix: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.NAMES:
-            self.total += 1
-            frame = sys._getframe(1)
-            while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "torch":
-                frame = frame.f_back
-            module = frame.f_globals.get("__name__", "") if frame is not None else ""
-            if module.startswith("neofix.") and module != "neofix.testing":
-                self.by_neofix.append(f"{name} in {module}:{frame.f_lineno}")
-        return func(*args, **(kwargs or {}))
-
-
 def counted_loop(model, steps=3, cache_format="native"):
     """A synced left-padded loop; returns (prefill conversions, [per decode step conversions])."""
     ids, mask = left_padded_batch([5, 3])
     keyword = cache_keyword()
     with torch.no_grad():
-        with Conversions() as prefill:
+        with HostReads() as prefill:
             out = model(input_ids=ids, attention_mask=mask, use_cache=True)
         decode = []
         for _ in range(steps):
@@ -806,7 +779,7 @@ def counted_loop(model, steps=3, cache_format="native"):
                 cache = legacy(cache)
             mask = torch.cat([mask, ones(2, 1)], -1)
             token = out.logits[:, -1:].argmax(-1)
-            with warnings.catch_warnings(), Conversions() as step:
+            with warnings.catch_warnings(), HostReads() as step:
                 warnings.simplefilter("ignore")
                 out = model(input_ids=token, attention_mask=mask, use_cache=True, **{keyword: cache})
             decode.append(step)
@@ -826,7 +799,7 @@ def test_default_decode_steps_add_no_conversion(model, cache_format):
             _, plain = counted_loop(model, cache_format=cache_format)
         finally:
             neofix.patch()
-        assert [step.total for step in decode] == [step.total for step in plain]
+        assert [len(step.reads) for step in decode] == [len(step.reads) for step in plain]
 
 
 def test_check_values_decode_steps_do_check(model):

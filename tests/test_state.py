@@ -7,7 +7,6 @@ handed back as the model output, as the cache itself, as legacy tuples and as Ca
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 
 import pytest
@@ -17,6 +16,7 @@ import neofix
 from neofix import DecodeState
 from neofix.testing import reference_greedy, reference_logits, reference_positions, tiny_gpt_neo
 
+from ._sync import HostReads, simulated_accelerator
 from ._vanilla import assert_vanilla
 from ._versions import as_cache_object, cache_keyword, has, legacy, output_cache, requires
 from .loops import left_padded_batch
@@ -217,40 +217,20 @@ def test_the_cache_is_handed_on_not_copied(model):
     assert state.cache is output_cache(out)
 
 
-class HostReads(torch.overrides.TorchFunctionMode):
-    """Counts the calls that read a tensor's value on the host (a device synchronisation on an accelerator) made
-    from neofix._state."""
-
-    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy"}
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.NAMES:
-            frame = sys._getframe(1)
-            while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "torch":
-                frame = frame.f_back
-            if frame is not None and frame.f_globals.get("__name__") == "neofix._state":
-                self.reads.append(f"{func.__name__} at line {frame.f_lineno}")
-        return func(*args, **(kwargs or {}))
-
-
 def test_decode_steps_read_nothing_back_from_the_device(model):
     """model_inputs() and advance() (with finished rows) never synchronise; only the prompt's mask is read once."""
     ids, mask = left_padded_batch([5, 3])
     with HostReads() as start:
         state = DecodeState(ids, mask)
-    assert len(start.reads) == 1  # the 0/1 check of the prompt's mask
+    assert len(start.by_neofix) == 1, start.by_neofix  # the 0/1 check of the prompt's mask
     with torch.no_grad():
         out = model(**state.model_inputs())
-        with HostReads() as steps:
+        with simulated_accelerator(), HostReads() as steps:  # position reports take the accelerator's path
             for step in range(3):
                 state.advance(out.logits[:, -1].argmax(-1), out, finished=torch.tensor([False, step > 0]))
                 inputs = state.model_inputs()
                 out = model(**inputs)
-    assert steps.reads == []
+    assert steps.by_neofix == []  # neither the state nor the patched forwards
 
 
 # -- finished rows ---------------------------------------------------------------------------------------------------

@@ -74,10 +74,12 @@ DEFAULT_PAIRS = {  # (run pairs, step pairs) per repeat; --quick: the second tab
     True: {"tiny": (6, 4), "125m": (1, 1)},
 }
 
-#: tensor -> Python conversions: each one is a host-device synchronisation on an accelerator
-CONVERSIONS = frozenset(
-    {"item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "tolist", "numpy", "__array__"}
-)
+#: tensor -> Python conversions (host reads): each one is a host-device synchronisation on an accelerator.  The test
+#: suite's one list (tests/_sync.py), read from the checkout this script lives in.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests._sync import HOST_READS as CONVERSIONS  # noqa: E402
+
+sys.path.pop(0)
 #: torch calls that only read metadata (no tensor work, no synchronisation)
 METADATA = frozenset({"__get__", "dim", "size", "numel", "__len__", "stride", "is_floating_point", "data_ptr"})
 

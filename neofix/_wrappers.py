@@ -61,7 +61,6 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     check_step = adapter.check_step
     positions_kind = adapter.POSITIONS
     explain_overflow = getattr(adapter, "explain_overflow", None)  # a family whose limit depends on values (OPT)
-    model_positions = positions_kind != "absolute"  # missing positions are the model's own business
     takes_positions = "position_ids" in names or "position_ids" in inspect.signature(original).parameters
     listeners = _reports.listeners
     pending = _reports.pending
@@ -80,9 +79,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
             _reports.poll()
         layers, limits = _model_facts(self, adapter)
         if len(args) <= 1 and first is not None and not settings.check_values and (args or "input_ids" in kwargs):
-            cache = aligned_decode_step(
-                first, kwargs, layers, limits, read_cache, legacy_cache_rejected, model_positions
-            )
+            cache = aligned_decode_step(first, kwargs, layers, limits, adapter)
             if cache is not None:
                 # the usual decode step, already aligned: align() would return every input unchanged
                 if right_padded:
@@ -105,9 +102,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                     raise
         prefilled = chunk_view = None
         if len(args) <= 1 and first is not None and (args or "input_ids" in kwargs):
-            prefilled, chunk_view = plain_forward(
-                first, kwargs, layers, limits, read_cache, legacy_cache_rejected, positions_kind == "absolute"
-            )
+            prefilled, chunk_view = plain_forward(first, kwargs, layers, limits, adapter)
             if prefilled is not None and not prefilled.right_padded and (
                 prefilled.positions is None or takes_positions
             ):
@@ -218,22 +213,16 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     return _mark(forward)
 
 
-def plain_forward(
-    input_ids: Any,
-    kwargs: dict,
-    layers: int,
-    limits: Limits,
-    read_cache: Any,
-    legacy_cache_rejected: bool,
-    derive: bool = True,
-) -> tuple[Any, Any]:
+def plain_forward(input_ids: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any) -> tuple[Any, Any]:
     """The values of a forward given ``input_ids`` and a 2D mask (or none) and no positions, token types, embeddings
     or ``cache_position``: without a cache (the usual training, scoring and classification call, and a loop's first
     forward), or a chunk of two or more tokens after a cache whose every layer holds the same ``p`` tokens of the same
     rows, with a mask over the ``p`` cached and the new tokens.  Read by :func:`~neofix._core.read_prefill`, as
     :func:`~neofix._core.align` would read them: ``(settled, cache view)`` (the view ``None`` without a cache), or
     ``(None, None)`` for any other call, and for any call ``align`` would refuse before reading a value (the general
-    path aligns those, and says what is wrong).  Shapes are checked first, from the call's arguments alone."""
+    path aligns those, and says what is wrong).  Shapes are checked first, from the call's arguments alone.
+    Positions are derived from a left-padded mask for the families that take absolute ones (``adapter.POSITIONS``),
+    as ``align`` derives them."""
     if (
         kwargs.get("position_ids") is not None
         or kwargs.get("token_type_ids") is not None
@@ -247,13 +236,14 @@ def plain_forward(
     if len(shape) != 2 or shape[1] == 0:
         return None, None
     max_positions = limits.max_positions
+    derive = adapter.POSITIONS == "absolute"
     if cache is None:
         if (max_positions is not None and shape[1] > max_positions) or not prefill_fits(0, None, None, input_ids, mask):
             return None, None
         return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), None
-    if mask is None or (type(cache) is tuple and legacy_cache_rejected):  # a rejected tuple: the general path wraps it
+    if mask is None or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):  # the general path wraps such tuples
         return None, None
-    view = read_cache(cache, layers)
+    view = adapter.read_cache(cache, layers)
     past, lengths = view.length, view.layer_lengths
     if (
         not past
@@ -307,15 +297,7 @@ def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple
     return original(self, **kwargs)
 
 
-def aligned_decode_step(
-    input_ids: Any,
-    kwargs: dict,
-    layers: int,
-    limits: Limits,
-    read_cache: Any,
-    legacy_cache_rejected: bool,
-    model_positions: bool = False,
-) -> Any:
+def aligned_decode_step(input_ids: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any) -> Any:
     """The cache view of a decode step :func:`~neofix._core.align` would leave as it is (see
     :func:`~neofix._core.step_unchanged`, read from the call's arguments and the cache's shapes; no tensor is read),
     or ``None``.  The model forward then calls transformers with the caller's arguments untouched.
@@ -327,14 +309,14 @@ def aligned_decode_step(
     if len(shape) != 2 or kwargs.get("inputs_embeds") is not None:
         return None
     cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
-    if cache is None or (type(cache) is tuple and legacy_cache_rejected):
+    if cache is None or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):
         return None
     positions = kwargs.get("position_ids")
     if positions is not None and not _is_trusted(positions):
         return None
     mask = kwargs.get("attention_mask")
     cache_position = kwargs.get("cache_position")
-    view = read_cache(cache, layers)
+    view = adapter.read_cache(cache, layers)
     unchanged = step_unchanged(  # positional: this runs on every decode step
         shape[0],  # batch
         shape[1],  # new tokens
@@ -344,7 +326,7 @@ def aligned_decode_step(
         None if cache_position is None else cache_position.shape[-1],
         view,
         limits.max_positions,
-        model_positions,
+        adapter.POSITIONS != "absolute",  # missing positions are the model's own business
     )
     return view if unchanged else None
 

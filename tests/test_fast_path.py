@@ -125,9 +125,7 @@ SLOW = {
 def in_step(model, kwargs):
     """Whether the model forward's fast path takes this call."""
     layers, limits = _wrappers._model_facts(model.transformer, gpt_neo)
-    view = _wrappers.aligned_decode_step(
-        kwargs["input_ids"], kwargs, layers, limits, gpt_neo.read_cache, gpt_neo.LEGACY_CACHE_REJECTED
-    )
+    view = _wrappers.aligned_decode_step(kwargs["input_ids"], kwargs, layers, limits, gpt_neo)
     return view is not None
 
 

@@ -125,14 +125,14 @@ def poll() -> None:
 
             row = wrong.index(1)
             described = describe_position(row, 0, given[row], derived[row], past, from_mask)
-            warn_once(POSITION_VALUES, repaired_message(described))
+            warn_once(POSITION_VALUES, repaired_message(described, from_mask))
 
 
 def _warn_positions(wrong: Any, given: Any, derived: Any, past: int | None, from_mask: bool) -> None:
     from ._core._types import POSITION_VALUES
     from ._core._values import describe_wrong, repaired_message
 
-    warn_once(POSITION_VALUES, repaired_message(describe_wrong(wrong, given, derived, past, from_mask)))
+    warn_once(POSITION_VALUES, repaired_message(describe_wrong(wrong, given, derived, past, from_mask), from_mask))
 
 
 class _LandsAtNextPoll:

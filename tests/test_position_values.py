@@ -194,3 +194,84 @@ def test_a_compiled_loop_is_as_correct_as_an_eager_one(compiled, mask_mode, posi
             warnings.simplefilter("ignore")
             plain = decode(torch.compile(model, backend="eager"), ids, mask, STEPS)
         assert not torch.equal(plain, expected)  # vanilla compiled: the padded rows go wrong
+
+
+# -- what the messages say (mutation testing found these words and kinds unchecked) ---------------------------------
+
+FIX = (
+    "positions must advance by one per real token: derive them from the attention mask "
+    "((mask.cumsum(-1) - 1).clamp(min=0)), or pass none and neofix derives them. Reported once."
+)
+
+
+@pytest.mark.parametrize(
+    "lengths, rows, pronoun", [([5, 3], "row 1", "its"), ([5, 3, 2], "rows 1, 2", "their")]
+)
+def test_counted_padding_is_named_per_row(model, lengths, rows, pronoun):
+    """arange over a left-padded prefill: the warning names the rows and the first one's positions, and the trace
+    records the repair's kind."""
+    ids, mask = left_padded_batch(lengths)
+    positions = torch.arange(ids.shape[1]).expand(len(lengths), -1)
+    with warnings.catch_warnings(record=True) as caught, neofix.trace(model) as steps, torch.no_grad():
+        warnings.simplefilter("always")
+        model(input_ids=ids, attention_mask=mask, position_ids=positions)
+    assert said(caught) == [
+        f"neofix: position_ids count the left padding of {rows}: the first real token of row 1 is at position 2, "
+        f"but the attention mask puts it at 0 (arange over a left-padded batch: the classic batched-generation bug); "
+        f"derived {pronoun} positions from the mask. To fix your code: {FIX}"
+    ]
+    assert [step.repairs for step in steps] == [("positions_count_padding",)]
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_wrong_decode_position_is_described_by_where_the_truth_comes_from(model, with_mask):
+    """A decode step whose positions were not incremented: the warning names the value, the cache length and the
+    position the mask (or, without a mask, the cache length) gives, and what neofix used instead."""
+    ids, mask = left_padded_batch([5, 3]) if with_mask else (torch.arange(1, 11).view(2, 5), None)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    step = {cache_keyword(): output_cache(out)}
+    if with_mask:
+        step["attention_mask"] = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(input_ids=torch.tensor([[5], [6]]), position_ids=torch.tensor([[2], [2]]), use_cache=True, **step)
+    truth, used = (
+        ("the attention mask puts that real token of row 0 at position 5", "the mask's positions")
+        if with_mask
+        else ("with no attention mask every token is real, so that token is at position 5",
+              "positions continuing after the cache")
+    )
+    assert said(caught) == [
+        f"neofix: position_ids[0, 0] is 2 at the step after 5 cached tokens, but {truth} (arange over a left-padded "
+        f"batch, or a loop that does not increment its positions?); used {used}. To fix your loop: {FIX}"
+    ]
+
+
+def test_token_id_errors_say_what_to_check(model):
+    """Out-of-vocabulary ids: the message names the tensor, the place, the value, the range and what to check; on a
+    decode step (checked only when the embedding fails) the IndexError is kept as the cause."""
+    ids, mask = left_padded_batch([5, 3])
+    vocab = model.config.vocab_size
+    with pytest.raises(neofix.TokenIdError) as prefill:
+        model(input_ids=ids, attention_mask=mask, token_type_ids=torch.full_like(ids, vocab + 4))
+    assert str(prefill.value) == (
+        f"token_type_ids[0, 0] is {vocab + 4}, outside the vocabulary: config.vocab_size is {vocab}, so token ids "
+        f"must lie in [0, {vocab - 1}]. This model embeds token types with the token embedding, so they must be "
+        f"token ids too"
+    )
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    with pytest.raises(neofix.TokenIdError) as step:
+        model(
+            input_ids=torch.tensor([[5], [vocab]]), attention_mask=torch.cat([mask, torch.ones(2, 1).long()], -1),
+            use_cache=True, **{cache_keyword(): output_cache(out)},
+        )
+    assert str(step.value) == (
+        f"input_ids[1, 0] is {vocab}, outside the vocabulary: config.vocab_size is {vocab}, so token ids must lie in "
+        f"[0, {vocab - 1}]. Check that the tokenizer belongs to this model (len(tokenizer) <= vocab_size) and that "
+        f"pad_token_id is a valid id"
+    )
+    assert isinstance(step.value.__cause__, IndexError)

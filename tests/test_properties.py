@@ -242,6 +242,7 @@ _WARNING_KINDS = {
     "extended it with ones on the right": "mask",
     "derived them from the attention mask instead": "positions",
     "used the mask's positions": "values",
+    "used positions continuing after the cache": "values",  # a step without a mask
     "left-padded and no position_ids were given": "derived",
     "legacy tuple cache": "legacy",
 }

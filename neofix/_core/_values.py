@@ -454,7 +454,7 @@ def _repair_cached(
     described = describe_wrong(wrong, positions, derived, past, from_mask)
     if strict:
         raise PositionError(f"{described}: {_FIX_VALUES}")
-    repairs.append(Repair(POSITION_VALUES, repaired_message(described)))
+    repairs.append(Repair(POSITION_VALUES, repaired_message(described, from_mask)))
     return torch.where(wrong, derived, positions)
 
 
@@ -478,10 +478,11 @@ def describe_position(row: int, column: int, value: int, expected: int, past: in
     return f"position_ids[{row}, {column}] is {value}{after}, but {truth}"
 
 
-def repaired_message(described: str) -> str:
+def repaired_message(described: str, from_mask: bool = True) -> str:
+    used = "the mask's positions" if from_mask else "positions continuing after the cache"
     return (
         f"neofix: {described} (arange over a left-padded batch, or a loop that does not increment its positions?); "
-        f"used the mask's positions. To fix your loop: {_FIX_VALUES}. Reported once."
+        f"used {used}. To fix your loop: {_FIX_VALUES}. Reported once."
     )
 
 
@@ -551,7 +552,7 @@ def raise_token_id_error(
         "Check that the tokenizer belongs to this model (len(tokenizer) <= vocab_size) and that pad_token_id is a "
         "valid id"
         if name == "input_ids"
-        else "this model embeds token types with the token embedding, so they must be token ids too"
+        else "This model embeds token types with the token embedding, so they must be token ids too"
     )
     raise TokenIdError(
         f"{name}{where} is {value}, outside the vocabulary: config.vocab_size is {vocab_size}, so token ids must "

@@ -333,6 +333,21 @@ if given is not None:
             assert torch.equal(cpu_way[0], torch_way[0])
 
 
+@pytest.mark.parametrize("past", [0, 3])
+@pytest.mark.parametrize("low, high, bad", [(0, 95, None), (-1, 5, -1), (0, 96, 96)])
+def test_token_ids_are_checked_at_both_ends_of_the_vocabulary(model, past, low, high, bad):
+    """0 and vocab_size - 1 are token ids; -1 and vocab_size are not (a prefill, and a chunk after 3 cached
+    tokens), on both read paths."""
+    assert model.config.vocab_size == 96
+    ids = torch.tensor([[low, 7], [8, high]])
+    mask = torch.ones(2, past + 2, dtype=torch.long)
+    for outcome in read_both_ways(ids, mask, gpt_neo.limits(model.config), past=past):
+        if bad is None:
+            assert outcome == (None, (), [])
+        else:
+            assert outcome[0] is TokenIdError and f" is {bad}, outside the vocabulary" in outcome[1]
+
+
 @pytest.mark.parametrize("name", ["unpadded", "left-padded", "both", "a gap", "a 2"])
 def test_chunk_reads_agree_on_the_cpu_and_accelerator_paths(model, name):
     """A chunk after 3 cached tokens: the mask covers them too; right padding is only said at a prefill."""

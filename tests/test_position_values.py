@@ -115,13 +115,15 @@ def test_left_padded_custom_positions_are_left_as_given(model):
 # -- right padding at the start of decoding -------------------------------------------------------------------------
 
 
-def right_padded_loop(model, steps=3, chunk=1):
+def right_padded_loop(model, steps=3, chunk=1, positions=False):
     """A prompt batch right-padded (as GPT-2 / GPT-Neo tokenizers pad by default), decoded by hand (``chunk``
-    tokens per forward: more than one is a chunk after the cache, which takes the chunk path)."""
+    tokens per forward: more than one is a chunk after the cache, which takes the chunk path; ``positions``: the
+    prompt comes with its positions, which takes the general path)."""
     ids = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    given = {"position_ids": reference_positions(mask)} if positions else {}
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, **given)
         for _ in range(steps):
             mask = torch.cat([mask, mask.new_ones(2, chunk)], -1)
             out = model(
@@ -131,11 +133,11 @@ def right_padded_loop(model, steps=3, chunk=1):
     return out
 
 
-@pytest.mark.parametrize("chunk", [1, 2])
-def test_right_padding_is_said_when_decoding_starts(model, chunk):
+@pytest.mark.parametrize("chunk, positions", [(1, False), (2, False), (1, True)])
+def test_right_padding_is_said_when_decoding_starts(model, chunk, positions):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        right_padded_loop(model, chunk=chunk)
+        right_padded_loop(model, chunk=chunk, positions=positions)
     messages = said(caught)
     assert len(messages) == 1, messages
     assert "decoding continues from a cache whose prompt had right padding in row 1" in messages[0]
@@ -275,3 +277,12 @@ def test_token_id_errors_say_what_to_check(model):
         f"pad_token_id is a valid id"
     )
     assert isinstance(step.value.__cause__, IndexError)
+
+
+def test_mask_values_are_checked_when_positions_are_given(model):
+    """A forward given positions reads its values on the general path: a mask value other than 0 and 1 is refused
+    there too, naming the place."""
+    ids = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 2, 1, 1]])
+    with pytest.raises(neofix.MaskValueError, match=r"attention_mask\[1, 2\] is 2"):
+        model(input_ids=ids, attention_mask=mask, position_ids=torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]))

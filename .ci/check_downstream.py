@@ -108,8 +108,10 @@ def main(dist_dir: str, work_dir: str, constraints: str) -> None:
     run(["uv", "venv", "--quiet", "--python", sys.executable, str(venv)], check=True, env=env)
     python = venv / "bin" / "python"
     run(
+        # --refresh-package: uv caches a wheel found through --find-links by its name and path, so a rebuilt wheel of
+        # the same version at the same path (the pkg env's dist folder, run after run) would install the old build
         ["uv", "pip", "install", "--quiet", "--python", str(python), "--constraint", constraints]
-        + ["-r", "requirements.txt"],
+        + ["--refresh-package", DISTRIBUTION, "-r", "requirements.txt"],
         check=True,
         env=env,
         cwd=project,

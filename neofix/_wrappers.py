@@ -30,6 +30,7 @@ from . import _caches, _compat, _reports
 from ._compat import is_compiling, is_stepping_aside, is_tracing, positional_names
 from ._config import settings
 from ._core import Aligned, Limits, Policy, StepInputs, align, derive_positions, explain_index_error, step_unchanged
+from ._core._align import check_cache
 from ._core._values import prefill_fits, read_prefill
 from ._errors import (
     AttentionWindowError,
@@ -235,30 +236,19 @@ def plain_forward(input_ids: Any, kwargs: dict, layers: int, limits: Limits, ada
     shape = input_ids.shape
     if len(shape) != 2 or shape[1] == 0:
         return None, None
-    max_positions = limits.max_positions
     derive = adapter.POSITIONS == "absolute"
     if cache is None:
-        if (max_positions is not None and shape[1] > max_positions) or not prefill_fits(0, None, None, input_ids, mask):
+        limit = limits.max_positions
+        if (limit is not None and shape[1] > limit) or not prefill_fits(0, None, None, input_ids, mask):
             return None, None
         return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), None
     if mask is None or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):  # the general path wraps such tuples
         return None, None
     view = adapter.read_cache(cache, layers)
-    past, lengths = view.length, view.layer_lengths
-    if (
-        not past
-        or view.batch != shape[0]
-        or lengths is None
-        or lengths.count(past) != len(lengths)
-        or (
-            view.heads is not None
-            and limits.heads is not None
-            and (view.heads != limits.heads or view.head_dim != limits.head_dim)
-        )
-        or (max_positions is not None and past + shape[1] > max_positions)
-        or not prefill_fits(past, None, None, input_ids, mask)
-    ):
+    past = view.length
+    if not past or mask.dim() != 2 or mask.shape[0] != shape[0] or not prefill_fits(past, None, None, input_ids, mask):
         return None, None
+    check_cache(view, shape[0], shape[1], limits)  # what align checks (and raises) before it reads a value
     return read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive), view
 
 

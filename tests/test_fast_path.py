@@ -389,6 +389,23 @@ def test_plain_forwards_take_the_prefill_path(model, monkeypatch):
     assert taken == [(True, False)] * 3 + [(False, False), (True, False), (True, True)]
 
 
+@pytest.mark.parametrize(
+    "mask, error",
+    [
+        (torch.ones(3, 5, dtype=torch.long), neofix.BatchMismatchError),  # a row too many
+        (torch.ones(2, 1, 5, dtype=torch.long), neofix.MaskLengthError),  # not 2D
+    ],
+)
+def test_chunks_with_a_wrong_mask_are_refused_as_align_refuses_them(model, mask, error):
+    """The chunk fast path takes only a 2D mask with one row per input row; anything else is aligned (and refused)
+    by the general path, which says what is wrong."""
+    ids = torch.arange(1, 11).view(2, 5)
+    with torch.no_grad():
+        cache = output_cache(model(input_ids=ids[:, :3], use_cache=True))
+        with pytest.raises(error):
+            model(input_ids=ids[:, 3:], attention_mask=mask, **{cache_keyword(): cache})
+
+
 CHUNK_FAMILIES = ["gpt_neo", "gptj", "opt", "bloom"]  # absolute, rotary, positions from the mask, no positions
 _CHUNK_MODELS: dict = {}
 

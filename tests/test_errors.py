@@ -12,7 +12,9 @@ caches of 2 rows x 5 tokens) is run twice:
 
 Errors found by a check are raised before any embedding lookup (on an accelerator a bad index is a device-side
 assert, not an ``IndexError`` neofix could translate); only the cases marked ``translated`` (single-token decode
-steps, whose values are not read by default) reach the embedding first.
+steps, whose values are not read by default) reach the embedding first, and those marked ``translated_on_cpu``
+(token ids of a prefill or chunk, left to the embedding on the CPU) reach it first on the CPU only: they are run
+again on the path accelerators take, which must raise before any lookup.
 
 The value checks (``neofix.configure(check_values=...)``) are tested at the end, including that by default a
 single-token decode step adds no tensor -> Python conversion (no host-device synchronisation on an accelerator).
@@ -31,6 +33,7 @@ inf = float("inf")
 
 import neofix
 from neofix import _caches
+from neofix._core import _values
 from neofix._families import gpt_neo
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 
@@ -173,6 +176,7 @@ class Case(NamedTuple):
     mode: str = "repair"
     check_values: bool = False
     translated: bool = False  # found by translating the embedding's IndexError (the lookup runs first)
+    translated_on_cpu: bool = False  # translated on the CPU, read before the lookup on the accelerator path
     well_formed: Callable[[Any], tuple[Callable[[], Any], Any]] | None = None  # the call as it should have been
 
 
@@ -219,16 +223,19 @@ CASES = {
         prefill(input_ids=torch.tensor([[1, 2, 96]]), attention_mask=ones(1, 3)),
         neofix.TokenIdError,
         [r"input_ids\[0, 2\] is 96", *TOKEN_ID, TOKENIZER],
+        translated_on_cpu=True,
     ),
     "id < 0, prefill without mask": case(
         prefill(input_ids=torch.tensor([[1, -1, 3]])),
         neofix.TokenIdError,
         [r"input_ids\[0, 1\] is -1", *TOKEN_ID, TOKENIZER],
+        translated_on_cpu=True,
     ),
     "id >= vocab, chunked prefill": case(
         step(input_ids=torch.tensor([[1, 2, 3], [4, 500, 6]]), attention_mask=ones(2, 8)),
         neofix.TokenIdError,
         [r"input_ids\[1, 1\] is 500", *TOKEN_ID, TOKENIZER],
+        translated_on_cpu=True,
     ),
     "id >= vocab, decode step (translated IndexError)": case(
         step(input_ids=torch.tensor([[1], [96]]), attention_mask=ones(2, 6)),
@@ -534,8 +541,20 @@ def test_invalid_step_raises_a_clear_error(model, model32, name):
     for pattern in spec.patterns:
         assert re.search(pattern, message), f"{pattern!r} not in: {message}"
     assert isinstance(raised.value, ValueError)
-    if not spec.translated:
+    if not (spec.translated or spec.translated_on_cpu):
         assert lookups.count == 0, f"an embedding lookup ran before the {spec.error.__name__}: the check came too late"
+    if spec.translated or spec.translated_on_cpu:  # the embedding's IndexError is kept as the cause
+        assert isinstance(raised.value.__cause__, IndexError)
+        assert "index out of range" in str(raised.value.__cause__)
+    if spec.translated_on_cpu:
+        _values.READ_SCALARS_ON_CPU = False  # the path accelerators take: the ids are read before any lookup
+        try:
+            with Lookups(model) as lookups, pytest.raises(spec.error) as again, warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                call()
+        finally:
+            _values.READ_SCALARS_ON_CPU = True
+        assert str(again.value) == message and lookups.count == 0
     assert_same_model(before_model, model)
     assert_same_cache(before_cache, cache)
 

@@ -281,16 +281,22 @@ def read_both_ways(ids, mask, limits, past=0):
 @pytest.mark.parametrize("bad_id", [None, 96, -3])
 def test_prefill_reads_agree_on_the_cpu_and_accelerator_paths(model, name, bad_id):
     ids = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 5]])
+    good = ids.clone()
     if bad_id is not None:
         ids[1, 3] = bad_id
     mask = None if PREFILL_MASKS[name] is None else torch.tensor(PREFILL_MASKS[name])
-    cpu_way, torch_way = read_both_ways(ids, mask, gpt_neo.limits(model.config))
+    limits = gpt_neo.limits(model.config)
+    cpu_way, torch_way = read_both_ways(ids, mask, limits)
+    if bad_id is not None:
+        # the accelerator path reads the ids first; the CPU path leaves them to the embedding, whose IndexError the
+        # model forward names (test_token_ids_are_checked_at_both_ends_of_the_vocabulary), and reads the mask alone
+        assert torch_way[0] is TokenIdError and f"input_ids[1, 3] is {bad_id}, outside" in torch_way[1]
+        torch_way = read_both_ways(good, mask, limits)[1]
     if isinstance(cpu_way[0], type):  # an error: the same class and message either way
         assert cpu_way == torch_way
-        expected = TokenIdError if bad_id is not None else MaskValueError
-        assert cpu_way[0] is expected
+        assert cpu_way[0] is MaskValueError
         return
-    assert bad_id is None and name not in ("a 2", "a -1")
+    assert name not in ("a 2", "a -1")
     (positions, right, kinds), (other_positions, other_right, other_kinds) = cpu_way, torch_way
     assert right == other_right and kinds == other_kinds
     assert (positions is None) == (other_positions is None)
@@ -337,15 +343,27 @@ if given is not None:
 @pytest.mark.parametrize("low, high, bad", [(0, 95, None), (-1, 5, -1), (0, 96, 96)])
 def test_token_ids_are_checked_at_both_ends_of_the_vocabulary(model, past, low, high, bad):
     """0 and vocab_size - 1 are token ids; -1 and vocab_size are not (a prefill, and a chunk after 3 cached
-    tokens), on both read paths."""
+    tokens): read by the accelerator path, and on the CPU named from the embedding's ``IndexError`` with the same
+    message."""
     assert model.config.vocab_size == 96
     ids = torch.tensor([[low, 7], [8, high]])
     mask = torch.ones(2, past + 2, dtype=torch.long)
-    for outcome in read_both_ways(ids, mask, gpt_neo.limits(model.config), past=past):
-        if bad is None:
-            assert outcome == (None, (), [])
-        else:
-            assert outcome[0] is TokenIdError and f" is {bad}, outside the vocabulary" in outcome[1]
+    cpu_way, accelerator_way = read_both_ways(ids, mask, gpt_neo.limits(model.config), past=past)
+    assert cpu_way == (None, (), [])  # the CPU read leaves token ids to the embedding
+    cached = {}
+    if past:
+        cached = {cache_keyword(): prefill(model, torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.ones(2, 3).long())}
+    call = lambda: model(input_ids=ids, attention_mask=mask, use_cache=True, **cached)  # noqa: E731
+    if bad is None:
+        assert accelerator_way == (None, (), [])
+        with torch.no_grad():
+            assert call().logits.shape == (2, 2, 96)
+        return
+    assert accelerator_way[0] is TokenIdError and f" is {bad}, outside the vocabulary" in accelerator_way[1]
+    with torch.no_grad(), pytest.raises(TokenIdError) as caught:
+        call()
+    assert str(caught.value) == accelerator_way[1]
+    assert isinstance(caught.value.__cause__, IndexError)
 
 
 @pytest.mark.parametrize("name", ["unpadded", "left-padded", "both", "a gap", "a 2"])

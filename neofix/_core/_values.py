@@ -148,6 +148,17 @@ def prefill_fits(past: int | None, positions: Any, token_types: Any, input_ids: 
     )
 
 
+if hasattr(torch.Tensor, "is_cpu"):
+
+    def _on_cpu(tensor: torch.Tensor) -> bool:
+        return tensor.is_cpu  # ``tensor.device`` builds a device object: several times slower right after a forward
+
+else:  # pragma: no cover - torch releases before Tensor.is_cpu
+
+    def _on_cpu(tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu"
+
+
 def read_prefill(
     input_ids: torch.Tensor,
     mask: Any,
@@ -161,30 +172,32 @@ def read_prefill(
     after ``past`` cached tokens, with the mask over the cached and new tokens.
 
     The checks of :func:`_read_once` in as few operations as they take.  On the CPU, where a read waits for
-    nothing, two reductions read as Python scalars settle the usual forward (no padding), and a padded mask is read
-    once as lists (:func:`_row_steps`); NumPy over the tensors' memory was tried and costs more there, since its
-    first calls after a forward start cold.  Elsewhere torch operations and one read.  Returns positions ``None``
-    where transformers' own are the mask's already (no left padding).  The repair it may add (``positions_derived``,
-    warned once on a prefill) is in the returned ``repairs``.
+    nothing, but a torch reduction costs tens of microseconds right after a forward (its code has gone cold, measured
+    in place: ``aminmax`` and two ``item()`` about 40, ``tolist()`` of a 2 x 32 mask about 5): the mask is read once
+    as lists and searched at C speed (:func:`_row_steps`), and token ids are left to the embedding, whose
+    ``IndexError`` the model forward explains.  NumPy, a byte comparison of the tensor's memory (ctypes), and
+    left-padded positions built from the lists (``torch.tensor`` of them costs more than ``cumsum``) were tried and
+    cost more there.  Elsewhere torch operations and one read.  Returns positions ``None`` where transformers' own are the mask's already (no left padding).  The repair
+    it may add (``positions_derived``, warned once on a prefill) is in the returned ``repairs``.
     """
     new = input_ids.shape[-1]
-    if READ_SCALARS_ON_CPU and input_ids.device.type == "cpu" and (mask is None or mask.device.type == "cpu"):
-        low, high = torch.aminmax(input_ids)
-        if not (0 <= low.item() and high.item() < limits.vocab_size):
-            raise_token_id_error(input_ids, limits.vocab_size)
+    if READ_SCALARS_ON_CPU and _on_cpu(input_ids) and (mask is None or _on_cpu(mask)):
+        # Token ids are not read here: on the CPU an id outside the vocabulary raises IndexError in the embedding
+        # lookup before anything else runs, and the model forward names it (explain_index_error), as on decode steps.
         if mask is None:
             return _UNCHANGED
-        low, high = torch.aminmax(mask)
-        low_mask, high_mask = low.item(), high.item()
-        if low_mask == 1 and high_mask == 1:  # every token real: nothing else to learn
+        rows = mask.tolist()  # the one read
+        width = mask.shape[-1]
+        real = [row.count(1) for row in rows]
+        if sum(real) == width * len(rows):  # every token real: nothing else to learn
             return _UNCHANGED
-        if not (0 <= low_mask and high_mask <= 1):
+        if any(count + row.count(0) != width for count, row in zip(real, rows)):
             _raise_mask_value_error(mask)
-        if mask.shape[-1] < 2:  # one column: no step from a pad to a real token or back
+        if width < 2:  # one column: no step from a pad to a real token or back
             return _UNCHANGED
-        lows, highs, last = _row_steps(mask.tolist())
+        lows, highs, last = _row_steps(rows)
     else:
-        rows = input_ids.shape[0]
+        batch = input_ids.shape[0]
         if mask is None:
             values = torch.stack(torch.aminmax(input_ids)).tolist()  # the one read
             if not (0 <= values[0] and values[1] < limits.vocab_size):
@@ -205,7 +218,7 @@ def read_prefill(
             _raise_mask_value_error(mask)
         if mask.shape[-1] < 2:
             return _UNCHANGED
-        lows, highs, last = values[4 : 4 + rows], values[4 + rows : 4 + 2 * rows], values[4 + 2 * rows :]
+        lows, highs, last = values[4 : 4 + batch], values[4 + batch : 4 + 2 * batch], values[4 + 2 * batch :]
     padded_after = min(lows, default=0) < 0  # a pad after a real token somewhere
     right_padded = ()
     if padded_after and not past:

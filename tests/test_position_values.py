@@ -286,3 +286,18 @@ def test_mask_values_are_checked_when_positions_are_given(model):
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 2, 1, 1]])
     with pytest.raises(neofix.MaskValueError, match=r"attention_mask\[1, 2\] is 2"):
         model(input_ids=ids, attention_mask=mask, position_ids=torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]))
+
+
+def test_a_decode_step_positions_from_the_mask_keep_transformers_own_for_a_finished_row():
+    """``_decode_positions``: a real new token gets real tokens so far minus one; a masked new token (a finished
+    row) keeps the position transformers gives it: the slot of a 1D ``cache_position`` (transformers' own, e.g. a
+    static cache's), else the cached length; without either, the mask's count (pads at 0)."""
+    from neofix._core._values import _decode_positions
+
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]])  # finished, left-padded, no real token
+    assert _decode_positions(mask, 3, None).tolist() == [[3], [2], [3]]
+    assert _decode_positions(mask, 3, torch.tensor([7])).tolist() == [[7], [2], [7]]
+    # only a 1D cache_position names the step's slot; another shape is not transformers' and is not read
+    assert _decode_positions(mask, 3, torch.tensor([[7], [7], [7]])).tolist() == [[3], [2], [3]]
+    assert _decode_positions(mask, None, None).tolist() == [[2], [2], [0]]
+    assert _decode_positions(mask, None, torch.tensor([7])).tolist() == [[7], [2], [7]]

@@ -229,9 +229,10 @@ def read_prefill(
     derived = Repair(POSITIONS_DERIVED, lambda: _from_mask_message(mask) if not past else "")
     if padded_after:  # keep transformers' positions for pads after a row's last real token
         return Settled(_mask_positions(mask, new, past, None), True, None, right_padded, (derived,))
-    counted = mask.cumsum(-1)  # real tokens up to each column (a fresh tensor: changed in place)
-    counted = counted.sub_(1) if not past else counted[:, -new:] - 1
-    return Settled(counted.clamp_min_(0), True, None, right_padded, (derived,))
+    # Every row is pads then real tokens: a real token's position is the real tokens before it, and a pad's (before
+    # the first real token) 0, so ``cumsum - mask`` is ``(cumsum - 1).clamp(min=0)`` in one operation fewer.
+    counted = mask.cumsum(-1).sub_(mask)  # (a fresh tensor: changed in place)
+    return Settled(counted[:, -new:] if past else counted, True, None, right_padded, (derived,))
 
 
 # -- steps that read nothing -------------------------------------------------------------------------------------

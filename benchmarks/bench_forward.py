@@ -138,7 +138,9 @@ class OwnTime:
         from neofix import _wrappers
 
         self.switch = switch
-        self.owner = next(owner for owner, name in switch.slots if name == "forward" and owner.__name__.endswith("Model"))
+        self.owner = next(
+            owner for owner, name in switch.slots if name == "forward" and owner.__name__.endswith("Model")
+        )
         patched = vars(self.owner)["forward"]
         original = patched.__wrapped__
         now = time.perf_counter_ns

@@ -177,8 +177,9 @@ def read_prefill(
     as lists and searched at C speed (:func:`_row_steps`), and token ids are left to the embedding, whose
     ``IndexError`` the model forward explains.  NumPy, a byte comparison of the tensor's memory (ctypes), and
     left-padded positions built from the lists (``torch.tensor`` of them costs more than ``cumsum``) were tried and
-    cost more there.  Elsewhere torch operations and one read.  Returns positions ``None`` where transformers' own are the mask's already (no left padding).  The repair
-    it may add (``positions_derived``, warned once on a prefill) is in the returned ``repairs``.
+    cost more there.  Elsewhere torch operations and one read.  Returns positions ``None`` where transformers' own
+    are the mask's already (no left padding).  The repair it may add (``positions_derived``, warned once on a
+    prefill) is in the returned ``repairs``.
     """
     new = input_ids.shape[-1]
     if READ_SCALARS_ON_CPU and _on_cpu(input_ids) and (mask is None or _on_cpu(mask)):

@@ -236,3 +236,58 @@ def test_the_import_check_sees_a_heavy_import():
     """The check above is not vacuous: a module that imports more than threading is caught."""
     allowed = _new_modules(STDLIB_AT_IMPORT)
     assert {"typing", "wrapt"} <= _new_modules("import typing, wrapt") - allowed
+
+
+def wrong_position_loop(model, wrong_at, steps=4):
+    """A hand-written loop over a left-padded batch passing the mask's positions, except at decode step ``wrong_at``
+    where row 0's position is not incremented (repaired on the device).  Returns the NeofixWarnings of each decode
+    step's forward."""
+    from neofix.testing import reference_positions
+
+    from ._versions import cache_keyword, output_cache
+
+    ids, mask = left_padded_batch([6, 3, 5])
+    positions = reference_positions(mask)
+    said = []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        for step in range(steps):
+            token = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(token)], -1)
+            positions = torch.cat([positions, positions[:, -1:] + 1], -1)
+            given = positions[:, -1:].clone()
+            if step == wrong_at:
+                given[0] -= 1
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = model(
+                    input_ids=token, attention_mask=mask, position_ids=given, use_cache=True,
+                    **{cache_keyword(): output_cache(out)},
+                )
+            said.append([str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)])
+    return said
+
+
+def test_a_device_side_repair_is_said_once_its_copy_lands(model):
+    """On an accelerator a decode step's position repair is copied off the device without blocking and said at a
+    later forward, once the copy has landed (the simulated event lands from the first poll after the step: the
+    warning comes at the second forward after the wrong step, never at the first), in the words the CPU path uses at
+    once.  Once said, no later step reads or copies anything for it."""
+    from neofix import _errors, _reports
+
+    _errors.reset_warnings()
+    at_once = wrong_position_loop(model, wrong_at=1)
+    assert [len(step) for step in at_once] == [0, 1, 0, 0]
+    assert "position_ids[0, 0] is 6 at the step after 7 cached tokens" in at_once[1][0], at_once
+    reads = DecodeReads(model)
+    with reads:  # said already: the next wrong step reads nothing on the CPU either
+        again = wrong_position_loop(model, wrong_at=0)
+    assert again == [[], [], [], []] and reads.by_neofix == []
+
+    _errors.reset_warnings()
+    with simulated_accelerator():
+        later = wrong_position_loop(model, wrong_at=1)
+        assert [len(step) for step in later] == [0, 0, 0, 1]
+        assert later[3] == at_once[1]
+        wrong_position_loop(model, wrong_at=0)
+        assert _reports.pending == []  # said already: nothing was copied for the new wrong step

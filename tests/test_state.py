@@ -424,8 +424,22 @@ def test_check_rejects_a_cache_of_another_length(model):
     with torch.no_grad():
         longer = output_cache(model(**state.model_inputs()))
     longer = legacy(longer) if not isinstance(longer, tuple) else longer
-    with pytest.raises(neofix.CacheLengthError, match="the cache holds 5 tokens, but the state expected 4"):
+    with pytest.raises(neofix.CacheLengthError) as raised:
         state.check(longer)
+    assert str(raised.value) == (  # model_inputs() was handed out since advance(): the hint says so
+        "DecodeState.check: the cache holds 5 tokens, but the state expected 4: it must hold every token but the "
+        "ones model_inputs() feeds next (a forward already ran on this state? then pass its output to advance() "
+        "first). Was the output of another step, model or state passed?"
+    )
+    fresh = DecodeState(*left_padded_batch([4, 2]))  # no forward yet: expects no cache, and says nothing of advance()
+    with pytest.raises(neofix.CacheLengthError) as raised:
+        fresh.check(longer)
+    assert str(raised.value) == (
+        "DecodeState.check: the cache holds 5 tokens, but the state expected 0: it must hold every token but the "
+        "ones model_inputs() feeds next. Was the output of another step, model or state passed?"
+    )
+    with pytest.raises(TypeError, match=r"^DecodeState.check: expected the model output or its cache .* got str$"):
+        state.check("a cache")
 
 
 def test_check_between_a_forward_and_advance(model):
@@ -437,8 +451,13 @@ def test_check_between_a_forward_and_advance(model):
     if isinstance(state.cache, tuple):  # transformers < 4.45: the model returned a new tuple, the held one is intact
         state.check()
     else:
-        with pytest.raises(neofix.CacheLengthError, match=r"holds 5 tokens, but the state expected 4: .*advance\(\) first"):
+        with pytest.raises(neofix.CacheLengthError) as raised:
             state.check()
+        assert str(raised.value) == (
+            "DecodeState.check: the cache holds 5 tokens, but the state expected 4: it must hold every token but the "
+            "ones model_inputs() feeds next (a forward already ran on this state? then pass its output to advance() "
+            "first). Was the output of another step, model or state passed?"
+        )
     state.advance(out.logits[:, -1].argmax(-1), out)
     state.check()
 
@@ -459,19 +478,23 @@ def test_check_rejects_a_cache_of_another_batch(model):
     [
         ([[1, 2]], None, TypeError, "input_ids must be a torch.Tensor, got list"),
         (torch.ones(1, 3), None, TypeError, "input_ids must hold integer token ids, got dtype torch.float32"),
+        (torch.ones(1, 3, dtype=torch.bool), None, TypeError, "input_ids must hold integer token ids, got dtype torch.bool"),
         (torch.tensor([1, 2, 3]), None, neofix.InputShapeError, r"shape \(3,\); expected \(batch, length\) .*\[None\]"),
-        (torch.ones(1, 2, 3, dtype=torch.long), None, neofix.InputShapeError, r"shape \(1, 2, 3\)"),
+        (torch.ones(1, 2, 3, dtype=torch.long), None, neofix.InputShapeError, r"shape \(1, 2, 3\); expected \(batch, length\)$"),
         (torch.ones(2, 0, dtype=torch.long), None, neofix.InputShapeError, "at least one row and one token"),
+        (torch.ones(0, 3, dtype=torch.long), None, neofix.InputShapeError, r"shape \(0, 3\); the prompt needs at least one row"),
         (torch.ones(2, 3, dtype=torch.long), [[1, 1, 1]], TypeError, "attention_mask must be a torch.Tensor"),
-        (torch.ones(2, 3, dtype=torch.long), torch.ones(3, 3), neofix.BatchMismatchError, "3 rows, but input_ids has 2"),
+        (torch.ones(2, 4, dtype=torch.long), torch.ones(3, 4), neofix.BatchMismatchError, "attention_mask has 3 rows, but input_ids has 2$"),
         (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 4), neofix.MaskLengthError, "4 columns, but input_ids has 3"),
         (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 1, 3), neofix.InputShapeError, "expected a 2D"),
         (torch.ones(2, 3, dtype=torch.long), torch.tensor([[1, 2, 1], [1, 1, 1]]), neofix.NeofixError, r"\[0, 1\] is 2"),
+        (torch.ones(2, 3, dtype=torch.long), torch.tensor([[0, 1, 2], [1, 1, 1]]), neofix.NeofixError, r"\[0, 2\] is 2"),
     ],
 )
 def test_bad_prompt(ids, mask, error, message):
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as raised:
         DecodeState(ids, mask)
+    assert str(raised.value).startswith("DecodeState: ")  # every message names where it comes from
 
 
 @pytest.mark.parametrize(
@@ -490,8 +513,9 @@ def test_bad_prompt(ids, mask, error, message):
 )
 def test_bad_advance_tokens(model, tokens, finished, error, message):
     state, out = prefilled(model)
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as raised:
         state.advance(tokens, out, finished=finished)
+    assert str(raised.value).startswith("DecodeState.advance: ")
     state.advance(torch.tensor([1, 2]), out)  # a failed advance leaves the state as it was
     assert state.sequences.shape == (2, 5)
 
@@ -501,8 +525,16 @@ def test_advance_needs_a_cache(model):
     inputs = {**state.model_inputs(), "use_cache": False}
     with torch.no_grad():
         out = model(**inputs)
-    with pytest.raises(neofix.NeofixError, match="the model output carries no cache .* use_cache=True"):
+    with pytest.raises(neofix.NeofixError) as raised:
         state.advance(torch.tensor([1, 2]), out)
+    assert str(raised.value) == (
+        f"DecodeState.advance: the model output carries no cache (its fields: {', '.join(out.keys())}): call the "
+        f"model with use_cache=True, as model(**state.model_inputs()) does"
+    )
+    from transformers.utils import ModelOutput
+
+    with pytest.raises(neofix.NeofixError, match=r"carries no cache \(its fields: none\)"):
+        state.advance(torch.tensor([1, 2]), ModelOutput())
 
 
 def test_advance_rejects_a_plain_output_tuple(model):
@@ -513,18 +545,30 @@ def test_advance_rejects_a_plain_output_tuple(model):
         state.advance(torch.tensor([1, 2]), out)
 
 
-@pytest.mark.parametrize("out", [None, "cache", (), ((1, 2),)])
-def test_advance_rejects_what_is_not_a_cache(out):
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        (None, r"expected the model output or its cache .*, got NoneType$"),
+        ("cache", r"expected the model output or its cache .*, got str$"),
+        ((), r"got a tuple that is not a cache"),
+        ([(1, 2)], r"got a list that is not a cache"),
+    ],
+)
+def test_advance_rejects_what_is_not_a_cache(out, message):
     state = DecodeState(torch.tensor([[1, 2], [3, 4]]))
-    with pytest.raises(TypeError, match="cache"):
+    with pytest.raises(TypeError, match="^DecodeState.advance: " + message):
         state.advance(torch.tensor([1, 2]), out)
 
 
 def test_advance_twice_with_the_same_output(model):
     state, out = prefilled(model)
     state.advance(torch.tensor([1, 2]), out)
-    with pytest.raises(neofix.CacheLengthError, match="the cache holds 4 tokens, but the state expected 5"):
+    with pytest.raises(neofix.CacheLengthError) as raised:
         state.advance(torch.tensor([1, 2]), out)
+    assert str(raised.value) == (
+        "DecodeState.advance: the cache holds 4 tokens, but the state expected 5: it must hold every token fed so "
+        "far. Was the output of another step, model or state passed?"
+    )
 
 
 def test_advance_with_another_batch(model):
@@ -541,7 +585,7 @@ def test_advance_with_another_batch(model):
         (torch.tensor([1.0, 0.0]), TypeError, "beam_idx must hold integer"),
         (torch.tensor([[1, 0]]), neofix.InputShapeError, r"shape \(1, 2\); expected a non-empty 1D"),
         (torch.tensor([], dtype=torch.long), neofix.InputShapeError, r"shape \(0,\)"),
-        (torch.tensor([0, 2]), neofix.NeofixError, r"beam_idx\[1\] is 2, but the state holds 2 rows"),
+        (torch.tensor([0, 2]), neofix.NeofixError, r"beam_idx\[1\] is 2, but the state holds 2 rows \(valid indices: 0 to 1\)"),
         (torch.tensor([-1, 0]), neofix.NeofixError, r"beam_idx\[0\] is -1"),
     ],
 )
@@ -549,11 +593,48 @@ def test_bad_reorder(model, index, error, message):
     state, out = prefilled(model)
     state.advance(torch.tensor([1, 2]), out)
     before = state.sequences
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as raised:
         state.reorder(index)
+    assert str(raised.value).startswith("DecodeState.reorder: ")
     assert state.sequences is before
 
 
 def test_errors_are_value_errors():
     with pytest.raises(ValueError):
         DecodeState(torch.tensor([1, 2]))
+
+
+def test_a_reorder_that_drops_rows_between_forward_and_advance(model):
+    """The forward's cache still has the old rows: advance() checks it against them, then reorders it."""
+    ids, mask = left_padded_batch([6, 3, 5])
+    state = DecodeState(ids, mask)
+    with torch.no_grad():
+        out = model(**state.model_inputs())
+        tokens = out.logits[:, -1].argmax(-1)
+        state.reorder(torch.tensor([2, 0]))
+        state.advance(tokens[[2, 0]], out)
+        for _ in range(3):
+            out = model(**state.model_inputs())
+            state.advance(out.logits[:, -1].argmax(-1), out)
+    assert torch.equal(state.sequences, reference_greedy(model, ids, mask, 4)[[2, 0]])
+    state.check()
+
+
+def test_the_state_reads_the_models_own_cache_keyword_and_checks_the_model(model):
+    """A model whose forward takes its cache as ``past_key_values`` (a user's wrapper, say) gets it under that name,
+    whatever the installed GPT-Neo calls it; what is not a model is refused."""
+
+    class Wrapper(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
+            raise NotImplementedError
+
+    state = DecodeState(torch.tensor([[1, 2]]), model=Wrapper())
+    state._cache = object()  # any cache: only the keyword matters here
+    assert set(state.model_inputs()) == {"input_ids", "attention_mask", "position_ids", "use_cache", "past_key_values"}
+    with pytest.raises(TypeError, match="^DecodeState: model must be a transformers model, got object$"):
+        DecodeState(torch.tensor([[1, 2]]), model=object())
+
+
+def test_the_mask_is_long_whatever_the_ids_dtype():
+    state = DecodeState(torch.tensor([[1, 2, 3]], dtype=torch.int32))
+    assert state.attention_mask.dtype == torch.long and state.attention_mask.tolist() == [[1, 1, 1]]

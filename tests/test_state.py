@@ -431,6 +431,14 @@ def test_check_rejects_a_cache_of_another_length(model):
         "ones model_inputs() feeds next (a forward already ran on this state? then pass its output to advance() "
         "first). Was the output of another step, model or state passed?"
     )
+    advanced, out = prefilled(model)  # right after advance(): no forward is pending, so no word of advance()
+    advanced.advance(out.logits[:, -1].argmax(-1), out)
+    with pytest.raises(neofix.CacheLengthError) as raised:
+        advanced.check(longer)
+    assert str(raised.value) == (
+        "DecodeState.check: the cache holds 5 tokens, but the state expected 4: it must hold every token but the "
+        "ones model_inputs() feeds next. Was the output of another step, model or state passed?"
+    )
     fresh = DecodeState(*left_padded_batch([4, 2]))  # no forward yet: expects no cache, and says nothing of advance()
     with pytest.raises(neofix.CacheLengthError) as raised:
         fresh.check(longer)

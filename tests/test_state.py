@@ -629,16 +629,22 @@ def test_a_reorder_that_drops_rows_between_forward_and_advance(model):
 
 
 def test_the_state_reads_the_models_own_cache_keyword_and_checks_the_model(model):
-    """A model whose forward takes its cache as ``past_key_values`` (a user's wrapper, say) gets it under that name,
-    whatever the installed GPT-Neo calls it; what is not a model is refused."""
+    """A model gets its cache under the name its own forward takes (``past_key_values`` or ``cache``: a user's
+    wrapper, say), whatever the installed GPT-Neo calls it; what is not a model is refused."""
 
     class Wrapper(torch.nn.Module):
         def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
             raise NotImplementedError
 
-    state = DecodeState(torch.tensor([[1, 2]]), model=Wrapper())
-    state._cache = object()  # any cache: only the keyword matters here
-    assert set(state.model_inputs()) == {"input_ids", "attention_mask", "position_ids", "use_cache", "past_key_values"}
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=None):
+            raise NotImplementedError
+
+    common = {"input_ids", "attention_mask", "position_ids", "use_cache"}
+    for model, keyword in ((Wrapper(), "past_key_values"), (Renamed(), "cache")):
+        state = DecodeState(torch.tensor([[1, 2]]), model=model)
+        state._cache = object()  # any cache: only the keyword matters here
+        assert set(state.model_inputs()) == common | {keyword}
     with pytest.raises(TypeError, match="^DecodeState: model must be a transformers model, got object$"):
         DecodeState(torch.tensor([[1, 2]]), model=object())
 

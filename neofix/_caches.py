@@ -21,6 +21,7 @@ from ._core import NO_CACHE, CacheView
 BHSD = (0, 1, 2, 3)
 
 _Tensor = torch.Tensor
+_INT = {int}
 
 
 def read(cache: Any, layers: int, key_layout: tuple[int, int, int, int] = BHSD) -> CacheView:
@@ -64,7 +65,12 @@ def _read_layers(cache_layers: list, layers: int, layout: tuple[int, int, int, i
             batch, heads, head_dim = key.shape[layout[0]], key.shape[layout[1]], key.shape[layout[3]]
         length = _static_length(first)
         return CacheView(length, batch, None, capacity, heads, head_dim, "static")
-    lengths = [_layer_length(layer) for layer in cache_layers[:layers]]
+    try:  # every layer at once (one call each), read again one by one if one of them does not tell
+        lengths = [layer.get_seq_length() for layer in cache_layers[:layers]]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        lengths = [_layer_length(layer) for layer in cache_layers[:layers]]
+    if not set(map(type, lengths)) <= _INT:
+        lengths = [length if type(length) is int else None for length in lengths]
     if len(lengths) < layers:
         lengths += [0] * (layers - len(lengths))
     past = lengths[0]

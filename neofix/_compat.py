@@ -122,6 +122,23 @@ except AttributeError:  # pragma: no cover - older torch: no way to tell an expo
         return True
 
 
+#: What :func:`tracer` answers: no tracer runs, the patch steps aside (torch.jit, torch.fx, torch.export), or
+#: ``torch.compile`` traces the call.
+EAGER, STEPPING_ASIDE, COMPILING = 0, 1, 2
+
+
+def tracer(tensor: Any = None) -> int:
+    """Which tracer runs the call, in one check for the model forward's entry (it runs on every decode step):
+    :data:`STEPPING_ASIDE` while torch.jit.trace, torch.fx (and transformers' HFTracer) or torch.export runs (the
+    patch leaves the call exactly as it is, so the traced or exported graph is vanilla's), :data:`COMPILING` inside
+    ``torch.compile`` (dynamo), :data:`EAGER` (0) when none does."""
+    if _is_compiling():
+        return STEPPING_ASIDE if _is_exporting() else COMPILING
+    if _jit_is_tracing() or _fx_state._is_fx_tracing_flag or isinstance(tensor, _Proxy):
+        return STEPPING_ASIDE
+    return EAGER
+
+
 def is_compiling() -> bool:
     """True inside ``torch.compile`` (dynamo), not in an export.
 
@@ -129,12 +146,10 @@ def is_compiling() -> bool:
     into the graph, so that a compiled loop is as correct as an eager one; nothing is read off the device and
     nothing is reported.
     """
-    return _is_compiling() and not _is_exporting()
+    return tracer() == COMPILING
 
 
 def is_stepping_aside(tensor: Any = None) -> bool:
     """True while torch.jit.trace, torch.fx (and transformers' HFTracer) or torch.export runs: the patch leaves the
     call exactly as it is, so the traced or exported graph is vanilla's."""
-    if _is_compiling():
-        return _is_exporting()
-    return _jit_is_tracing() or _fx_state._is_fx_tracing_flag or isinstance(tensor, _Proxy)
+    return tracer(tensor) == STEPPING_ASIDE

@@ -12,8 +12,8 @@ the plain function that replaces it on its class (``functools.wraps``: same name
 ``__wrapped__`` set).  Plain functions rather than wrapt proxies, because dynamo cannot build its guards on a proxy
 (``torch.compile`` would fail with "Guard failed on the same frame it was created"), and because a plain function
 is the cheapest thing to call on every decode step.  Every wrapper steps aside while torch.jit, torch.fx or
-torch.export traces (see :func:`neofix._compat.is_stepping_aside`); under ``torch.compile`` the model forward runs
-its shape logic only, which dynamo traces into the graph (:func:`neofix._compat.is_compiling`).
+torch.export traces (see :func:`neofix._compat.tracer`); under ``torch.compile`` the model forward runs its shape
+logic only, which dynamo traces into the graph.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import Any, Callable
 import torch
 
 from . import _caches, _compat, _reports
-from ._compat import is_compiling, is_stepping_aside, is_tracing, positional_names
+from ._compat import STEPPING_ASIDE, is_tracing, positional_names, tracer
 from ._config import settings
 from ._core import Aligned, Limits, Policy, StepInputs, align, derive_positions, explain_index_error, step_unchanged
 from ._core._align import check_cache
-from ._core._values import prefill_fits, read_prefill
+from ._core._values import read_prefill, shapes_fit
 from ._errors import (
     AttentionWindowError,
     InputShapeError,
@@ -72,38 +72,40 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
         first = args[0] if args else kwargs.get("input_ids")
         if first is None:
             first = kwargs.get("inputs_embeds")
-        if is_stepping_aside(first):
-            return original(self, *args, **kwargs)
-        if is_compiling():
+        traced = tracer(first)
+        if traced:
+            if traced == STEPPING_ASIDE:
+                return original(self, *args, **kwargs)
             return _compiled_step(self, original, names, args, kwargs, adapter)
         if pending:  # position reports of earlier steps, read once their copies have landed (never waiting)
             _reports.poll()
         layers, limits = _model_facts(self, adapter)
-        if len(args) <= 1 and first is not None and not settings.check_values and (args or "input_ids" in kwargs):
-            cache = aligned_decode_step(first, kwargs, layers, limits, adapter)
-            if cache is not None:
-                # the usual decode step, already aligned: align() would return every input unchanged
-                if right_padded:
-                    _check_right_padding(kwargs)
-                if listeners:
-                    mask = kwargs.get("attention_mask")
-                    _reports.emit(
-                        StepInfo(
-                            self, first.shape[0], 1, cache.length, None if mask is None else mask.shape[-1], mask,
-                            kwargs.get("position_ids"), (),
-                        )
-                    )
-                try:
-                    return original(self, *args, **kwargs)
-                except IndexError as exc:
-                    explain_index_error(exc, limits, first, None, kwargs.get("position_ids"))
-                    if explain_overflow is not None:
-                        explain_overflow(exc, self.config, kwargs.get("attention_mask"), kwargs.get("position_ids"),
-                                         cache.length)
-                    raise
         prefilled = chunk_view = None
         if len(args) <= 1 and first is not None and (args or "input_ids" in kwargs):
-            prefilled, chunk_view = plain_forward(first, kwargs, layers, limits, adapter)
+            shape = first.shape
+            if len(shape) == 2 and shape[1] == 1 and not settings.check_values:
+                cache = aligned_decode_step(first, shape, kwargs, layers, limits, adapter)
+                if cache is not None:
+                    # the usual decode step, already aligned: align() would return every input unchanged
+                    if right_padded:
+                        _check_right_padding(kwargs)
+                    if listeners:
+                        mask = kwargs.get("attention_mask")
+                        _reports.emit(
+                            StepInfo(
+                                self, shape[0], 1, cache.length, None if mask is None else mask.shape[-1], mask,
+                                kwargs.get("position_ids"), (),
+                            )
+                        )
+                    try:
+                        return original(self, *args, **kwargs)
+                    except IndexError as exc:
+                        explain_index_error(exc, limits, first, None, kwargs.get("position_ids"))
+                        if explain_overflow is not None:
+                            explain_overflow(exc, self.config, kwargs.get("attention_mask"),
+                                             kwargs.get("position_ids"), cache.length)
+                        raise
+            prefilled, chunk_view = plain_forward(first, shape, kwargs, layers, limits, adapter)
             if prefilled is not None and not prefilled.right_padded and (
                 prefilled.positions is None or takes_positions
             ):
@@ -124,7 +126,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                     mask = kwargs.get("attention_mask")
                     _reports.emit(
                         StepInfo(
-                            self, first.shape[0], first.shape[1], past, None if mask is None else mask.shape[-1], mask,
+                            self, shape[0], shape[1], past, None if mask is None else mask.shape[-1], mask,
                             positions, tuple(repair.kind for repair in prefilled.repairs),
                         )
                     )
@@ -214,7 +216,9 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     return _mark(forward)
 
 
-def plain_forward(input_ids: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any) -> tuple[Any, Any]:
+def plain_forward(
+    input_ids: Any, shape: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any
+) -> tuple[Any, Any]:
     """The values of a forward given ``input_ids`` and a 2D mask (or none) and no positions, token types, embeddings
     or ``cache_position``: without a cache (the usual training, scoring and classification call, and a loop's first
     forward), or a chunk of two or more tokens after a cache whose every layer holds the same ``p`` tokens of the same
@@ -233,20 +237,24 @@ def plain_forward(input_ids: Any, kwargs: dict, layers: int, limits: Limits, ada
         return None, None
     cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
     mask = kwargs.get("attention_mask")
-    shape = input_ids.shape
-    if len(shape) != 2 or shape[1] == 0:
+    if len(shape) != 2 or shape[1] == 0:  # (``shape``: input_ids.shape)
         return None, None
     derive = adapter.POSITIONS == "absolute"
     if cache is None:
         limit = limits.max_positions
-        if (limit is not None and shape[1] > limit) or not prefill_fits(0, None, None, input_ids, mask):
+        if (limit is not None and shape[1] > limit) or not shapes_fit(
+            0, input_ids, shape, mask, None if mask is None else mask.shape
+        ):
             return None, None
         return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), None
     if mask is None or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):  # the general path wraps such tuples
         return None, None
     view = adapter.read_cache(cache, layers)
     past = view.length
-    if not past or mask.dim() != 2 or mask.shape[0] != shape[0] or not prefill_fits(past, None, None, input_ids, mask):
+    mask_shape = mask.shape
+    if not past or len(mask_shape) != 2 or mask_shape[0] != shape[0] or not shapes_fit(
+        past, input_ids, shape, mask, mask_shape
+    ):
         return None, None
     check_cache(view, shape[0], shape[1], limits)  # what align checks (and raises) before it reads a value
     return read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive), view
@@ -287,7 +295,7 @@ def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple
     return original(self, **kwargs)
 
 
-def aligned_decode_step(input_ids: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any) -> Any:
+def aligned_decode_step(input_ids: Any, shape: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any) -> Any:
     """The cache view of a decode step :func:`~neofix._core.align` would leave as it is (see
     :func:`~neofix._core.step_unchanged`, read from the call's arguments and the cache's shapes; no tensor is read),
     or ``None``.  The model forward then calls transformers with the caller's arguments untouched.
@@ -295,8 +303,7 @@ def aligned_decode_step(input_ids: Any, kwargs: dict, layers: int, limits: Limit
     Positions must be none, or generate's own (built from the mask by transformers): positions a caller passes are
     compared with the mask's on the device, which the general path does.
     """
-    shape = input_ids.shape
-    if len(shape) != 2 or kwargs.get("inputs_embeds") is not None:
+    if kwargs.get("inputs_embeds") is not None:  # (``shape``: input_ids.shape, two dimensions, one new token)
         return None
     cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
     if cache is None or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):

@@ -125,7 +125,10 @@ SLOW = {
 def in_step(model, kwargs):
     """Whether the model forward's fast path takes this call."""
     layers, limits = _wrappers._model_facts(model.transformer, gpt_neo)
-    view = _wrappers.aligned_decode_step(kwargs["input_ids"], kwargs, layers, limits, gpt_neo)
+    shape = kwargs["input_ids"].shape
+    if len(shape) != 2 or shape[1] != 1:  # the model forward asks only for one new token per row
+        return False
+    view = _wrappers.aligned_decode_step(kwargs["input_ids"], shape, kwargs, layers, limits, gpt_neo)
     return view is not None
 
 
@@ -326,7 +329,7 @@ if given is not None:
     )
     def test_padded_mask_reads_agree_on_the_cpu_and_accelerator_paths(model, rows, past):
         """Any 0/1 mask, as a prefill or as a chunk after cached tokens: the CPU path's list reads
-        (``_row_steps``) settle it as the torch operations accelerators run do."""
+        (``_row_padding``) settle it as the torch operations accelerators run do."""
         mask = torch.tensor(rows)
         new = mask.shape[1] - past
         if new < 1 or (past and new < 2):

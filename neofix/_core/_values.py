@@ -10,6 +10,7 @@ compared with the mask's on the device and repaired there (``torch.where``), and
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -113,19 +114,35 @@ def settle(
     return _read_once(step, compare, repairs)
 
 
-def _row_steps(rows: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
-    """Per row of a 0/1 mask read as lists: the lowest and highest step between neighbouring columns (-1: a real
-    token followed by a pad, +1: a pad followed by a real token, else 0) and the last column, as the torch path
-    computes them with ``diff`` and ``aminmax``; list searches run at C speed, where a torch operation costs several
-    microseconds on the CPU."""
-    lows, highs = [], []
-    for row in rows:
-        pad = row.index(0) if 0 in row else -1
-        real = row.index(1) if 1 in row else -1
-        highs.append(1 if pad >= 0 and 1 in row[pad + 1 :] else 0)
-        lows.append(-1 if real >= 0 and 0 in row[real + 1 :] else 0)
-    return lows, highs, [row[-1] for row in rows]
+def _row_padding(rows: list[list[int]], real: list[int], width: int) -> tuple[bool, bool, tuple[int, ...]] | None:
+    """Where a 0/1 mask read as lists has padding: ``(left, after, right_padded)``, or ``None`` if a value is neither
+    0 nor 1.  ``left``: a pad followed by a real token somewhere; ``after``: a real token followed by a pad
+    somewhere; ``right_padded``: the rows with a real token followed by a pad that end in a pad.  ``real`` holds each
+    row's count of ones.  What the torch path computes with ``diff`` and ``aminmax``, in list searches at C speed
+    (a torch operation costs tens of microseconds on the CPU right after a forward); a row of pads then real tokens,
+    the usual left padding, takes two of them."""
+    left = after = False
+    right: list[int] = []
+    for index, (row, ones) in enumerate(zip(rows, real)):
+        pads = width - ones
+        if row.count(0) != pads:
+            return None
+        if not pads or not ones:
+            continue
+        first = row.index(1)
+        if first == pads:  # pads, then as many real tokens as the row holds: the usual left padding
+            left = True
+            continue
+        # the first real token comes before the last pad: a real token is followed by a pad
+        after = True
+        if first or row.index(0) != ones:  # not real tokens then pads: a pad is followed by a real token too
+            left = True
+        if not row[-1]:
+            right.append(index)
+    return left, after, tuple(right)
 
+
+_count_ones = operator.methodcaller("count", 1)
 
 #: Read CPU tensors' reductions one by one (tests turn it off to run the path accelerators take, on the CPU).
 READ_SCALARS_ON_CPU = True
@@ -135,23 +152,31 @@ def prefill_fits(past: int | None, positions: Any, token_types: Any, input_ids: 
     """Whether :func:`read_prefill` handles the step: a prefill, or a multi-token step after a cache (a chunk), with
     no positions or token types, long ``input_ids`` and a long 2D mask over the cached plus new tokens, or none on a
     prefill (shapes and dtypes only)."""
-    if positions is not None or token_types is not None or input_ids is None or input_ids.dtype != torch.long:
+    if positions is not None or token_types is not None or input_ids is None:
+        return False
+    return shapes_fit(past, input_ids, input_ids.shape, mask, None if mask is None else mask.shape)
+
+
+def shapes_fit(past: int | None, input_ids: Any, shape: Any, mask: Any, mask_shape: Any) -> bool:
+    """:func:`prefill_fits` once positions and token types are known to be absent, from shapes already read
+    (``shape``: ``input_ids.shape``; ``mask_shape``: ``mask.shape``, or ``None`` without a mask).  A forward's fast
+    path reads each shape once: reading one builds a ``torch.Size``, and costs microseconds right after a forward."""
+    if input_ids.dtype != torch.long:
         return False
     if past == 0:
-        return mask is None or (mask.dtype == torch.long and mask.shape == input_ids.shape)
+        return mask is None or (mask.dtype == torch.long and mask_shape == shape)
     return (
         past is not None
-        and input_ids.shape[-1] > 1
+        and shape[-1] > 1
         and mask is not None
         and mask.dtype == torch.long
-        and mask.shape[-1] == past + input_ids.shape[-1]
+        and mask_shape[-1] == past + shape[-1]
     )
 
 
 if hasattr(torch.Tensor, "is_cpu"):
-
-    def _on_cpu(tensor: torch.Tensor) -> bool:
-        return tensor.is_cpu  # ``tensor.device`` builds a device object: several times slower right after a forward
+    # ``tensor.device`` builds a device object: several times slower right after a forward; attrgetter is C
+    _on_cpu = operator.attrgetter("is_cpu")
 
 else:  # pragma: no cover - torch releases before Tensor.is_cpu
 
@@ -174,29 +199,27 @@ def read_prefill(
     The checks of :func:`_read_once` in as few operations as they take.  On the CPU, where a read waits for
     nothing, but a torch reduction costs tens of microseconds right after a forward (its code has gone cold, measured
     in place: ``aminmax`` and two ``item()`` about 40, ``tolist()`` of a 2 x 32 mask about 5): the mask is read once
-    as lists and searched at C speed (:func:`_row_steps`), and token ids are left to the embedding, whose
+    as lists and searched at C speed (:func:`_row_padding`), and token ids are left to the embedding, whose
     ``IndexError`` the model forward explains.  NumPy, a byte comparison of the tensor's memory (ctypes), and
     left-padded positions built from the lists (``torch.tensor`` of them costs more than ``cumsum``) were tried and
     cost more there.  Elsewhere torch operations and one read.  Returns positions ``None`` where transformers' own
     are the mask's already (no left padding).  The repair it may add (``positions_derived``, warned once on a
     prefill) is in the returned ``repairs``.
     """
-    new = input_ids.shape[-1]
     if READ_SCALARS_ON_CPU and _on_cpu(input_ids) and (mask is None or _on_cpu(mask)):
         # Token ids are not read here: on the CPU an id outside the vocabulary raises IndexError in the embedding
         # lookup before anything else runs, and the model forward names it (explain_index_error), as on decode steps.
         if mask is None:
             return _UNCHANGED
         rows = mask.tolist()  # the one read
-        width = mask.shape[-1]
-        real = [row.count(1) for row in rows]
+        width = len(rows[0]) if rows else 0
+        real = list(map(_count_ones, rows))
         if sum(real) == width * len(rows):  # every token real: nothing else to learn
             return _UNCHANGED
-        if any(count + row.count(0) != width for count, row in zip(real, rows)):
+        padding = _row_padding(rows, real, width)
+        if padding is None:
             _raise_mask_value_error(mask)
-        if width < 2:  # one column: no step from a pad to a real token or back
-            return _UNCHANGED
-        lows, highs, last = _row_steps(rows)
+        left, after, right_padded = padding  # type: ignore[misc]
     else:
         batch = input_ids.shape[0]
         if mask is None:
@@ -220,20 +243,23 @@ def read_prefill(
         if mask.shape[-1] < 2:
             return _UNCHANGED
         lows, highs, last = values[4 : 4 + batch], values[4 + batch : 4 + 2 * batch], values[4 + 2 * batch :]
-    padded_after = min(lows, default=0) < 0  # a pad after a real token somewhere
-    right_padded = ()
-    if padded_after and not past:
-        right_padded = tuple(row for row in range(len(lows)) if lows[row] < 0 and not last[row])
-    if max(highs, default=0) <= 0 or (uncached_positions == "transformers" and not past) or not derive:
+        left, after = max(highs, default=0) > 0, min(lows, default=0) < 0  # a pad followed by a real token; a real token by a pad
+        right_padded = tuple(row for row in range(batch) if lows[row] < 0 and not last[row])
+    if past:
+        right_padded = ()  # said at prefill: a chunk continues the rows as they are
+    if not left or (uncached_positions == "transformers" and not past) or not derive:
         # every real token sits at its column: transformers' own positions (arange) are the mask's already
         return Settled(None, True, None, right_padded)
     derived = Repair(POSITIONS_DERIVED, lambda: _from_mask_message(mask) if not past else "")
-    if padded_after:  # keep transformers' positions for pads after a row's last real token
-        return Settled(_mask_positions(mask, new, past, None), True, None, right_padded, (derived,))
-    # Every row is pads then real tokens: a real token's position is the real tokens before it, and a pad's (before
-    # the first real token) 0, so ``cumsum - mask`` is ``(cumsum - 1).clamp(min=0)`` in one operation fewer.
-    counted = mask.cumsum(-1).sub_(mask)  # (a fresh tensor: changed in place)
-    return Settled(counted[:, -new:] if past else counted, True, None, right_padded, (derived,))
+    if after:  # keep transformers' positions for pads after a row's last real token
+        return Settled(_mask_positions(mask, input_ids.shape[-1], past, None), True, None, right_padded, (derived,))
+    # Every row is pads then real tokens: a real token's position is the count of real tokens before it, and a pad's
+    # (before the first real token) 0: ``(cumsum - 1).clamp(min=0)`` is the cumsum one column earlier.  A prefill
+    # has no column before its first: ``cumsum - mask`` (a fresh tensor, changed in place).  A chunk: the cumsum's
+    # columns from the last cached one, a view.
+    counted = mask.cumsum(-1)
+    positions = counted.narrow(-1, past - 1, input_ids.shape[-1]) if past else counted.sub_(mask)
+    return Settled(positions, True, None, right_padded, (derived,))
 
 
 # -- steps that read nothing -------------------------------------------------------------------------------------

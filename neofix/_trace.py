@@ -89,12 +89,12 @@ def _summarise(
         positions = torch.arange(cached, cached + new, device=device).unsqueeze(0)
     parts: list[torch.Tensor] = []
     if positions is not None:
-        rows = positions if positions.dim() == 2 else positions.reshape(1, -1)
-        rows = torch.broadcast_to(rows, (batch, rows.shape[-1])).long()
-        parts += [rows[:, -1], rows.min().reshape(1), rows.max().reshape(1)]
+        # one row (1D, or 2D of one row) for the batch, or one per row
+        rows = torch.broadcast_to(positions, (batch, positions.shape[-1])).long()
+        parts = [rows[:, -1], rows.min().reshape(1), rows.max().reshape(1)]
     mask_2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
     if mask_2d:
-        parts.append(mask.long().sum(-1).to(parts[0].device if parts else mask.device))
+        parts.append(mask.long().sum(-1))
     values = torch.cat([p.to(parts[0].device) for p in parts]).tolist() if parts else []
     last = low = high = real = None
     if positions is not None:

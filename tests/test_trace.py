@@ -314,3 +314,134 @@ def test_environment_value_it_does_not_understand(monkeypatch):
     with pytest.warns(neofix.NeofixWarning, match="NEOFIX_TRACE='banana' is not a boolean"):
         _config.load_environment({"NEOFIX_TRACE": "banana"})
     assert _config.settings.log_steps is False
+
+
+# -- what a step records, field by field ----------------------------------------------------------------------------
+
+
+def step_of(**fields):
+    values = dict(
+        index=3, batch=2, new_tokens=1, cached_tokens=5, mask_length_given=6, mask_length=6, position_min=4,
+        position_max=5, last_positions=(5, 4), real_tokens=(6, 5), repairs=(), patched=True,
+    )
+    return _trace.Step(**{**values, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields, line",
+    [
+        ({}, "step 3: batch 2, 1 new + 5 cached, mask 6, positions 4..5, repaired: nothing"),
+        ({"cached_tokens": None}, "step 3: batch 2, 1 new + ? cached, mask 6, positions 4..5, repaired: nothing"),
+        ({"mask_length": None, "mask_length_given": None}, "step 3: batch 2, 1 new + 5 cached, mask none, "),
+        ({"mask_length_given": None}, "step 3: batch 2, 1 new + 5 cached, mask 6, positions"),
+        ({"mask_length": 7}, "step 3: batch 2, 1 new + 5 cached, mask 6 -> 7, positions"),
+        ({"position_min": 5}, "step 3: batch 2, 1 new + 5 cached, mask 6, positions 5, repaired"),
+        ({"position_min": None, "position_max": None}, "cached, mask 6, positions ?, repaired"),
+        ({"repairs": ("mask_extended", "positions_derived")}, "repaired: mask_extended, positions_derived"),
+        ({"patched": False}, "positions 4..5, repaired: nothing (neofix not patched)"),
+    ],
+)
+def test_str_of_every_kind_of_field(fields, line):
+    text = str(step_of(**fields))
+    assert line in text
+    assert text.endswith(" (neofix not patched)") == (fields.get("patched") is False)
+
+
+def test_unpatched_steps_record_the_mask_as_given_and_the_positions_as_passed(model, vanilla):
+    """Unpatched, a step is read off the call itself: positional input_ids, the given mask's length, given
+    positions (one row for the batch, broadcast), inputs_embeds."""
+    ids, mask = left_padded_batch([5, 3])
+    model = tiny_gpt_neo(seed=0) if _float64_broken() else model
+    positions = torch.tensor([[2, 3, 4, 5, 6]])  # one row for both (what a caller may pass)
+    with neofix.trace(model) as steps, torch.no_grad():
+        model.transformer(ids, attention_mask=mask, position_ids=positions)
+        model.transformer(inputs_embeds=model.transformer.wte(ids))  # no mask, no positions
+    first, second = steps
+    assert (first.index, first.batch, first.new_tokens, first.cached_tokens) == (0, 2, 5, 0)
+    assert (first.mask_length_given, first.mask_length) == (5, 5)
+    assert (first.position_min, first.position_max, first.last_positions) == (2, 6, (6, 6))
+    assert first.real_tokens == (5, 3)
+    assert (second.index, second.batch, second.new_tokens, second.mask_length_given) == (1, 2, 5, None)
+    assert (second.position_min, second.position_max, second.real_tokens) == (0, 4, (5, 5))
+    assert str(second) == (
+        "step 1: batch 2, 5 new + 0 cached, mask none, positions 0..4, repaired: nothing (neofix not patched)"
+    )
+
+
+def test_a_step_of_unknown_cache_length_without_positions_or_mask():
+    """Nothing to read (the cache's length unknown, no positions, no 2D mask): every per-row field is None, and no
+    empty tensor is concatenated."""
+    step = _trace._summarise(0, 2, 3, None, None, None, None, (), False, None)
+    assert (step.position_min, step.position_max, step.last_positions, step.real_tokens) == (None, None, None, None)
+    assert (step.mask_length, step.cached_tokens) == (None, None)
+
+
+def test_a_4d_mask_gives_its_key_length_and_no_real_token_counts():
+    """A 4D mask is the model's own: its length is its last dimension, and it counts no real tokens per row."""
+    mask = torch.zeros(2, 1, 3, 8)
+    step = _trace._summarise(0, 2, 3, 5, None, mask, None, (), True, None)
+    assert (step.mask_length, step.real_tokens) == (8, None)
+    assert (step.position_min, step.position_max, step.last_positions) == (5, 7, (7, 7))
+
+
+def test_positions_of_one_flat_row_are_read_for_every_row():
+    step = _trace._summarise(0, 2, 3, 0, 3, torch.ones(2, 3, dtype=torch.long), torch.tensor([4, 5, 7]), (), True, None)
+    assert (step.position_min, step.position_max, step.last_positions, step.real_tokens) == (4, 7, (7, 7), (3, 3))
+
+
+def test_resolving_needs_only_the_loaded_modeling_modules(model, monkeypatch):
+    """A family whose modeling module transformers has not loaded is skipped, not looked up."""
+    from neofix._families import FAMILIES
+
+    for family in FAMILIES.values():
+        if family.name != "gpt_neo":
+            monkeypatch.delitem(sys.modules, family.module, raising=False)
+    with neofix.trace(model) as steps, torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2]]))
+    assert len(steps) == 1
+
+
+def test_bad_model_messages_name_everything():
+    from neofix._families import FAMILIES
+    from neofix.testing import tiny_model
+
+    names = ", ".join(family.base_model for family in FAMILIES.values())
+    with pytest.raises(TypeError) as caught:
+        with neofix.trace(torch.nn.Linear(2, 2)):
+            pass
+    assert str(caught.value) == (
+        f"neofix.trace: Linear contains no transformers model neofix patches ({names}); pass one (GPTNeoForCausalLM, "
+        f"GPTNeoModel, or a module holding one)"
+    )
+    two = torch.nn.ModuleList([tiny_model("gpt2"), tiny_gpt_neo(seed=1)])
+    with pytest.raises(ValueError) as caught:
+        with neofix.trace(two):
+            pass
+    assert str(caught.value) == (
+        "neofix.trace: ModuleList contains 2 such models (GPT2Model, ...); pass the one to trace"
+    )
+
+
+def test_log_steps_numbers_a_sequence_it_joins_halfway_from_zero(logging_listener, caplog):
+    """A model first logged at a cached step (logging switched on after its prefill) starts at step 0."""
+    model = tiny_gpt_neo(seed=0)  # never logged before (the counters are per model)
+    ids, mask = left_padded_batch([4])
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    from ._versions import cache_keyword, output_cache
+
+    logging_listener()
+    with caplog.at_level(logging.INFO, logger="neofix"), torch.no_grad():
+        model(input_ids=ids[:, -1:], attention_mask=torch.ones(1, 5, dtype=torch.long),
+              **{cache_keyword(): output_cache(out)})
+    lines = [r.getMessage() for r in caplog.records if r.name == "neofix"]
+    assert len(lines) == 1 and lines[0].startswith("neofix: GPTNeoModel step 0: batch 1, 1 new + 4 cached"), lines
+
+
+def test_log_steps_sets_info_only_where_no_level_was_chosen(logging_listener, monkeypatch):
+    monkeypatch.setattr(_trace._LOGGER, "level", logging.NOTSET)
+    logging_listener()
+    assert _trace._LOGGER.level == logging.INFO
+    monkeypatch.setattr(_trace._LOGGER, "level", logging.WARNING)
+    logging_listener()
+    assert _trace._LOGGER.level == logging.WARNING  # the user's choice stays

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import inspect
 import io
 import json
 import logging
@@ -25,7 +26,7 @@ import neofix
 from neofix import _cli, _errors, _lifecycle
 from neofix._doctor import Cell, _judge, _Outcome, _scenarios, shorten_error
 from neofix._families import FAMILIES
-from neofix.testing import tiny_gpt_neo
+from neofix.testing import tiny_gpt_neo, tiny_model
 
 from ._versions import TF_RELEASE
 
@@ -472,3 +473,310 @@ def test_unknown_family_is_a_usage_error():
     status, out, err = run_main("doctor", "--family", "gpt5")
     assert status == 2
     assert "--family gpt5: no such family; choose from gpt_neo" in err
+
+
+# --- run(): what the self-check runs, on which model, and what it returns ------------------------------------------
+
+from neofix import _doctor  # noqa: E402
+from neofix._doctor import Row  # noqa: E402
+
+ALL_MODULES = [family.module for family in FAMILIES.values()]
+GPT_NEO_MODULE = FAMILIES["gpt_neo"].module
+CORRECT = Cell("correct", "correct")
+
+
+def probe_scenario(seen):
+    """A scenario that notes what the self-check runs it with (settings, threads, patch, model, adapter) and gives
+    the reference tokens."""
+
+    def probe(ctx):
+        seen.append({"settings": neofix.configure(), "threads": torch.get_num_threads(), "patched": neofix.is_patched(),
+                     "model": ctx.model, "adapter": ctx.adapter})
+        return ctx.reference()
+
+    return _scenarios.Scenario("probe", "probe", probe, _scenarios.Context.reference, None, None)
+
+
+def scenarios(*keys):
+    return tuple(s for s in _scenarios.SCENARIOS if s.key in keys)
+
+
+@pytest.fixture
+def process_threads():
+    """The process runs on 2 threads (the suite's OMP_NUM_THREADS=1 would hide a doctor that sets none)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_run_checks_the_built_in_gpt_neo(monkeypatch, process_threads):
+    """``run()``'s defaults: GPT-Neo's tiny model (seed 0: the same table every time), repair mode with
+    check_values off whatever the process set, one thread for the tiny model (the process's threads put back), the
+    numbered progress lines, no other family without ``others``, and the run's wall time to the hundredth."""
+    seen = []
+    monkeypatch.setattr(_scenarios, "SCENARIOS", (probe_scenario(seen), *scenarios("stale_mask")))
+    clock = iter([100.0, 101.23456])
+    monkeypatch.setattr(_doctor, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(clock))}))
+    neofix.configure(mode="strict", check_values=True)  # the process's settings: not the doctor's
+    lines = []
+    report = _doctor.run(progress=lines.append, others=False)
+    assert torch.get_num_threads() == 2
+    assert neofix.configure() == {"mode": "strict", "check_values": True, "uncached_positions": "mask"}
+    assert (report.family, report.mode, report.others, report.seconds) == ("gpt_neo", "repair", (), 1.23)
+    assert report.model == {
+        "source": "built-in tiny random GPT-Neo (no download)",
+        "family": "gpt_neo",
+        "layers": 4,
+        "attention_layers": ["global", "local", "global", "local"],
+        "window_size": 4,
+        "vocab_size": 96,
+        "max_position_embeddings": 64,
+        "dtype": "float32",
+        "prompt_lengths": [6, 3, 5],
+        "new_tokens": 8,
+        "local_window_crossed": True,
+    }
+    assert report.rows[0] == Row("probe", "probe", CORRECT, CORRECT, "reference tokens", True)
+    assert [row.key for row in report.rows] == ["probe", "stale_mask"] and report.exit_status == 0
+    vanilla, fixed = seen
+    assert (vanilla["patched"], fixed["patched"]) == (False, True)
+    assert fixed["settings"] == {"mode": "repair", "check_values": False, "uncached_positions": "mask"}
+    assert fixed["threads"] == 1
+    built = tiny_model("gpt_neo", seed=0).state_dict()
+    assert all(torch.equal(value, built[name]) for name, value in fixed["model"].state_dict().items())
+    assert lines[-2:] == ["[ 1/2] probe", "[ 2/2] hand-written loop, stale mask"]
+
+
+def test_a_model_of_20_million_parameters_keeps_the_process_threads(monkeypatch, process_threads):
+    """One thread only below ``_SMALL_MODEL`` parameters: a model of that size runs on the process's threads."""
+    seen = []
+    monkeypatch.setattr(_scenarios, "SCENARIOS", (probe_scenario(seen),))
+    monkeypatch.setattr(_doctor, "_SMALL_MODEL", sum(p.numel() for p in tiny_model("gpt_neo").parameters()))
+    assert _doctor.run(others=False).all_right
+    assert [run["threads"] for run in seen] == [2, 2]
+
+
+def test_run_checks_the_chosen_family(monkeypatch):
+    """``family="gpt2"``: GPT-2's tiny model, with GPT-2's adapter, described as GPT-2 (no local layers)."""
+    seen = []
+    monkeypatch.setattr(_scenarios, "SCENARIOS", (probe_scenario(seen),))
+    report = _doctor.run(family="gpt2", others=False)
+    assert report.family == "gpt2" and report.all_right and report.others == ()
+    assert report.model == {
+        "source": "built-in tiny random GPT-2 (no download)",
+        "family": "gpt2",
+        "layers": 2,
+        "attention_layers": [],
+        "window_size": 0,
+        "vocab_size": 96,
+        "max_position_embeddings": 64,
+        "dtype": "float32",
+        "prompt_lengths": [6, 3, 5],
+        "new_tokens": 8,
+        "local_window_crossed": False,
+    }
+    assert type(seen[-1]["model"]) is transformers.GPT2LMHeadModel
+    assert seen[-1]["adapter"] is FAMILIES["gpt2"].load_adapter()
+
+
+def test_rotary_family_runs_the_scenarios_that_apply_to_it(monkeypatch):
+    """GPT-NeoX (rotary positions): stale position_ids must raise PositionError (nothing tells which positions the
+    cache was built with; where this release's GPT-NeoX takes no position_ids the scenario does not apply), the arange
+    and frozen position loops do not apply; the scenarios after them still run."""
+    keys = ("stale_positions", "arange_positions", "frozen_positions", "chunked_prefill")
+    monkeypatch.setattr(_scenarios, "SCENARIOS", scenarios(*keys))
+    report = _doctor.run(family="gpt_neox", others=False)
+    takes = "position_ids" in inspect.signature(type(tiny_model("gpt_neox")).forward).parameters  # not on 4.26
+    stale = [("stale_positions", "clear error: PositionError", True)] if takes else []
+    assert [(row.key, row.expected, row.right) for row in report.rows] == [
+        *stale,
+        ("chunked_prefill", "reference tokens", True),
+    ]
+
+
+def test_local_window_crossed_only_by_longer_sequences():
+    """The longest sequence (6 + 8 tokens) crosses a local window of 13, not one of 14, which it fills exactly."""
+    for window, crossed in ((13, True), (14, False)):
+        context = _scenarios.Context(tiny_gpt_neo(window_size=window))
+        assert _doctor._describe_context(context)["local_window_crossed"] is crossed
+
+
+def test_invalid_input_without_a_reference_accepted_silently(monkeypatch):
+    """Invalid input with nothing to compare with, taken without an error by both columns: "accepted, no error",
+    and not right (neofix had to raise)."""
+    taken = _scenarios.Scenario("taken", "taken silently", lambda ctx: ctx.ids, None, neofix.TokenIdError,
+                                neofix.TokenIdError)
+    monkeypatch.setattr(_scenarios, "SCENARIOS", (taken,))
+    rows = _doctor._self_check(_scenarios.Context(tiny_gpt_neo()), True, False, lambda _: None)
+    accepted = Cell("accepted", "accepted, no error")
+    assert rows == [Row("taken", "taken silently", accepted, accepted, "clear error: TokenIdError", False)]
+
+
+def test_unpatched_neofix_column_is_not_run():
+    """Where the patch could not be installed the neofix column says "not patched" and is wrong."""
+    rows = _doctor._self_check(_scenarios.Context(tiny_gpt_neo()), False, False, lambda _: None, ("stale_mask",))
+    assert [(row.key, row.neofix, row.right) for row in rows] == [
+        ("stale_mask", Cell("not_patched", "not patched"), False)
+    ]
+
+
+def test_the_scenarios_after_a_failing_reference_still_run(monkeypatch):
+    def broken(context):
+        raise RuntimeError("the reference broke")
+
+    first, greedy = scenarios("stale_mask", "generate_greedy")
+    monkeypatch.setattr(_scenarios, "SCENARIOS", (first._replace(reference=broken), greedy))
+    report = _doctor.run(others=False)
+    assert [(row.key, row.neofix.kind, row.right) for row in report.rows] == [
+        ("stale_mask", "no_reference", False),
+        ("generate_greedy", "correct", True),
+    ]
+    assert report.exit_status == 1
+
+
+def test_quick_check_runs_the_quick_scenarios_only(monkeypatch):
+    """Another family's quick self-check: the scenarios of ``QUICK`` only, judged as in the full table."""
+    monkeypatch.setattr(_scenarios, "SCENARIOS", scenarios("stale_mask", "arange_positions", "generate_greedy"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the stale mask's repair (the doctor silences it too)
+        rows = _doctor._quick_check(FAMILIES["gpt2"], True, False, lambda _: None)
+    assert [(row.key, row.right) for row in rows] == [("stale_mask", True), ("generate_greedy", True)]
+
+
+def spy_imports(monkeypatch, fail=()):
+    """Record the modules the doctor imports (those in ``fail`` raise ImportError); returns (imported, imported
+    by the time the model is built)."""
+    imported, before_model = [], []
+
+    def import_module(name):
+        imported.append(name)
+        if name in fail:
+            raise ImportError(f"this transformers has no {name}\nsecond line")
+        return importlib.import_module(name)
+
+    monkeypatch.setattr(_doctor, "importlib", type("Importer", (), {"import_module": staticmethod(import_module)}))
+    load = _doctor._load_model
+
+    def load_model(*args):
+        before_model.extend(imported)
+        return load(*args)
+
+    monkeypatch.setattr(_doctor, "_load_model", load_model)
+    return imported, before_model
+
+
+def test_every_family_is_loaded_before_the_check(monkeypatch, two_scenarios):
+    """The default run imports every family's modeling module first (the import hooks patch them, so the patch
+    targets show them patched), then gives each other family its quick check."""
+    imported, before_model = spy_imports(monkeypatch)
+    report = _doctor.run()
+    assert before_model[0] == GPT_NEO_MODULE and set(before_model) == set(ALL_MODULES)
+    assert [title for title, _ in report.others] == [f.title for f in FAMILIES.values() if f.name != "gpt_neo"]
+    assert report.exit_status == 0
+
+
+def test_a_family_this_release_cannot_load_is_skipped(monkeypatch, two_scenarios):
+    """A family's module that does not import: its quick check says why, the rest of the doctor runs."""
+    opt = FAMILIES["opt"].module
+    spy_imports(monkeypatch, fail=(opt,))
+    report = _doctor.run()
+    others = dict(report.others)
+    assert others["OPT"] == f"not available on this transformers (this transformers has no {opt})"
+    assert all(not isinstance(rows, str) for title, rows in others.items() if title != "OPT")
+    assert report.exit_status == 0
+
+
+def test_a_checkpoint_is_loaded_offline_on_the_cpu_in_float32(tmp_path, monkeypatch, two_scenarios):
+    """``--model``: config and weights read with local_files_only=True, a half-precision checkpoint checked in
+    float32, and only the checkpoint's family imported and checked."""
+    folder = tmp_path / "half"
+    tiny_gpt_neo(seed=3, dtype=torch.float16).save_pretrained(folder)
+    calls = []
+    for auto in (transformers.AutoConfig, transformers.AutoModelForCausalLM):
+        def spy(path, _real=auto.from_pretrained, _name=auto.__name__, **kwargs):
+            calls.append((_name, path, kwargs))
+            return _real(path, **kwargs)
+
+        monkeypatch.setattr(auto, "from_pretrained", spy)
+    imported, _ = spy_imports(monkeypatch)
+    report = _doctor.run(model_path=str(folder))
+    assert calls[0] == ("AutoConfig", str(folder), {"local_files_only": True})
+    assert [call for call in calls if call[0] == "AutoModelForCausalLM"] == [
+        ("AutoModelForCausalLM", str(folder), {"local_files_only": True})
+    ]
+    assert report.model["dtype"] == "float32" and report.model["family"] == "gpt_neo"
+    assert report.model["source"] == f"checkpoint {folder}"
+    assert imported == [GPT_NEO_MODULE] and report.others == ()
+    assert report.exit_status == 0
+
+
+def usage_error(path, family="gpt_neo"):
+    with pytest.raises(_doctor.DoctorUsageError) as caught:
+        _doctor.run(model_path=str(path), family=family)
+    return str(caught.value)
+
+
+def test_a_checkpoint_of_another_family_is_named(tmp_path):
+    """A patched family's checkpoint: pass --family for it; its architectures, or that none are listed."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_head=2, n_embd=8).save_pretrained(tmp_path)
+    assert usage_error(tmp_path) == (
+        f"--model {tmp_path}: this is a 'gpt2' checkpoint (no architectures listed), not GPT-Neo: pass --family "
+        f"gpt2 for it (the folder's config.json says \"model_type\": 'gpt2')"
+    )
+
+
+def test_a_checkpoint_of_a_family_neofix_does_not_patch(tmp_path):
+    from transformers import BertConfig
+
+    BertConfig(num_hidden_layers=1).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["BertForMaskedLM", "BertModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    titles = ", ".join(family.title for family in FAMILIES.values())
+    assert titles == "GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM"
+    assert usage_error(tmp_path) == (
+        f"--model {tmp_path}: this is a 'bert' checkpoint (BertForMaskedLM, BertModel), not GPT-Neo: neofix patches "
+        f"{titles} (the folder's config.json says \"model_type\": 'bert')"
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, table, vocab",
+    [(dict(max_position_embeddings=15), 15, 96), (dict(vocab_size=1), 64, 1)],
+)
+def test_too_small_for_the_self_check(tmp_path, overrides, table, vocab):
+    """The scenarios need 6 + 8 positions and 2 more (16), and 2 token ids."""
+    tiny_gpt_neo(**overrides).config.save_pretrained(tmp_path)
+    assert usage_error(tmp_path) == (
+        f"--model {tmp_path}: this GPT-Neo is too small for the self-check (position table {table}, vocab_size "
+        f"{vocab}; it needs at least 16 positions and 2 token ids)"
+    )
+
+
+@pytest.mark.parametrize("overrides", [dict(max_position_embeddings=16), dict(vocab_size=2)])
+def test_just_large_enough_for_the_self_check(tmp_path, overrides):
+    """16 positions and 2 token ids are enough: a folder with such a config gets as far as loading the weights."""
+    tiny_gpt_neo(**overrides).config.save_pretrained(tmp_path)
+    assert usage_error(tmp_path).startswith(f"--model {tmp_path}: cannot load the weights (")
+
+
+def test_unreadable_config_and_weights_quote_the_error(tmp_path, monkeypatch):
+    """The first line of transformers' error, in the usage error."""
+    tiny_gpt_neo().config.save_pretrained(tmp_path)
+
+    def fails(path, **kwargs):
+        raise OSError("disk on fire\nsecond line")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fails)
+    assert usage_error(tmp_path) == f"--model {tmp_path}: cannot load the weights (disk on fire)"
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fails)
+    assert usage_error(tmp_path) == f"--model {tmp_path}: cannot read its config.json (disk on fire)"
+
+
+def test_unknown_family_lists_the_families():
+    with pytest.raises(_doctor.DoctorUsageError) as caught:
+        _doctor.run(family="gpt5")
+    assert str(caught.value) == "--family gpt5: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom"

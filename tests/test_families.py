@@ -27,7 +27,7 @@ import neofix
 from neofix._families import FAMILIES
 from neofix.testing import FAMILY_CONFIGS, _takes_positions, reference_greedy, tiny_config, tiny_model
 
-from ._versions import cache_keyword, output_cache, requires
+from ._versions import cache_keyword, legacy, output_cache, requires
 from .loops import decode, left_padded_batch
 
 STEPS = 5
@@ -167,6 +167,47 @@ def test_past_the_position_table(lm, lm32, adapter):
         assert f"is {limit}: 0 more new tokens fit" in str(tokens)
 
 
+def test_the_longest_row_past_the_table_is_named(lm, adapter):
+    """OPT counts real tokens: of a left-padded batch, the row holding more real tokens than the table is named, with
+    its count."""
+    if not hasattr(adapter, "explain_overflow"):
+        pytest.skip("the family's limit counts columns")
+    size = table_size(lm)
+    ids, mask = left_padded_batch([size - 4, size + 1])
+    error, _ = run(lambda: lm(input_ids=ids, attention_mask=mask))
+    assert isinstance(error, neofix.SequenceTooLongError), error
+    assert str(error) == (
+        f"row 1 of this step holds {size + 1} real tokens (the mask's ones, cached and new), but OPT's "
+        f"config.max_position_embeddings is {size}: OPT gives every real token a position (left padding takes none), "
+        f"so at most {size} real tokens fit in a row; shorten the prompt or generate fewer tokens"
+    )
+    assert (error.past, error.total, error.max_positions) == (0, size + 1, size)
+
+
+def test_given_positions_past_the_table_are_named(lm, adapter):
+    """OPT: position_ids reaching past the table are named, with or without a mask (one of ``size`` real tokens,
+    which fit)."""
+    if not hasattr(adapter, "explain_overflow"):
+        pytest.skip("the family's limit counts columns")
+    if not _takes_positions(lm):
+        pytest.skip(f"OPT takes no position_ids on transformers {transformers.__version__}")
+    size = table_size(lm)
+    ids = torch.randint(1, 96, (1, size), generator=torch.Generator().manual_seed(1))
+    for mask, positions in (
+        (torch.ones_like(ids), torch.arange(1, size + 1)[None]),
+        (None, torch.arange(size - 3, size + 7)[None]),
+    ):
+        fed = ids[:, : positions.shape[1]]
+        error, _ = run(lambda: lm(input_ids=fed, attention_mask=mask, position_ids=positions))
+        reach = int(positions.max())
+        assert isinstance(error, neofix.SequenceTooLongError), error
+        assert str(error) == (
+            f"position_ids reach {reach}, but OPT's config.max_position_embeddings is {size}: positions must lie in "
+            f"[0, {size - 1}]; pass none and OPT derives them from the mask"
+        )
+        assert (error.past, error.total, error.max_positions) == (0, reach + 1, size)
+
+
 def test_left_padding_past_the_table_in_columns_runs_as_vanilla(lm, lm32, adapter):
     """OPT gives left padding no positions: a batch wider than the table, whose rows hold few enough real tokens,
     completes in vanilla transformers, so neofix must not refuse it (nor change it).  Compared in float32 (vanilla
@@ -212,6 +253,23 @@ def test_mask_longer_than_cache_and_input(lm):
     out, _ = run(step)
     assert isinstance(out, neofix.MaskLengthError), out
     assert "A longer mask is ambiguous" in str(out)
+
+
+def test_a_cache_given_as_a_list_gets_vanillas_outcome(lm32):
+    """A legacy cache passed as a list, not a tuple: the step ends as it does unpatched (the same logits, or, where
+    transformers rejects it, an error of the same type).  Unpadded rows: vanilla's positions are right for them."""
+    ids, mask = left_padded_batch([6, 6])
+    key = cache_keyword(lm32)
+    longer = torch.cat([mask, mask.new_ones(2, 1)], -1)
+
+    def step(model):
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            cache = list(legacy(output_cache(out)))
+        return run(lambda: model(input_ids=ids[:, -1:], attention_mask=longer, use_cache=True, **{key: cache}))[0]
+
+    patched, plain = both(lm32, step)
+    assert_same_outcome(*(getattr(outcome, "logits", outcome) for outcome in (patched, plain)))
 
 
 # -- generate parity ---------------------------------------------------------------------------------------------------
@@ -421,3 +479,88 @@ def test_trace_records_every_generate_step(lm32):
     assert [(step.new_tokens, step.cached_tokens) for step in steps] == [(6, 0), (1, 6), (1, 7)]
     assert all(step.patched and step.repairs == () for step in steps), steps
     assert steps[-1].real_tokens == (8, 5)
+
+
+def test_static_cache_generate_is_identical_to_vanilla(family, lm32):
+    """``generate`` with a static cache (BLOOM: a mask padded to the cache's capacity): vanilla's tokens, or where
+    the family cannot decode with one on this release, vanilla's error."""
+    if family == "gpt_neo":
+        pytest.skip("GPT-Neo's local layers: neofix refuses a static cache wider than the window")
+    ids, mask = left_padded_batch([6, 3], seed=2)
+    patched, plain = both(
+        lm32, lambda m: run(lambda: generate(m, ids, mask, do_sample=False, cache_implementation="static"))[0]
+    )
+    assert_same_outcome(patched, plain)
+
+
+# -- the declarations -------------------------------------------------------------------------------------------------
+
+
+def targets(family):
+    return [(t.name, t.wrapper, t.required, t.since, t.until, t.why) for t in family.targets]
+
+
+def test_a_standard_family_declares_its_targets():
+    """A family patched the usual way: its base model's forward, input preparation and generate (required), and the
+    stopping criteria (required; left alone with the reason where ``no_stopping`` says why); a float64-mask helper
+    is a module-level target, optional, gated to its releases."""
+    from neofix._families import _float64_mask, _standard
+
+    assert targets(_standard("gpt_neo", "GPT-Neo", "GPTNeoModel", "GPTNeoForCausalLM")) == [
+        ("GPTNeoModel.forward", "make_model_forward", True, None, None, ""),
+        ("GPTNeoForCausalLM.prepare_inputs_for_generation", "make_prepare_inputs_for_generation", True, None, None, ""),
+        ("GPTNeoForCausalLM.generate", "make_generate", True, None, None, ""),
+        ("GPTNeoForCausalLM._get_stopping_criteria", "make_get_stopping_criteria", True, None, None, ""),
+    ]
+    helper = _float64_mask("_prepare_4d_causal_attention_mask", "OPT", "4.36", "4.49", widen=True)
+    family = _standard(
+        "opt", "OPT", "OPTDecoder", "OPTForCausalLM", helper, no_stopping="no table", prepare_since="4.36",
+        prepare_why="before 4.36",
+    )
+    assert (family.name, family.title, family.module, family.adapter) == (
+        "opt", "OPT", "transformers.models.opt.modeling_opt", "neofix._families.opt"
+    )
+    assert targets(family) == [
+        ("OPTDecoder.forward", "make_model_forward", True, None, None, ""),
+        ("OPTForCausalLM.prepare_inputs_for_generation", "make_prepare_inputs_for_generation", True, "4.36", None,
+         "before 4.36"),
+        ("OPTForCausalLM.generate", "make_generate", True, None, None, ""),
+        ("OPTForCausalLM._get_stopping_criteria", "", False, None, None, "no table"),
+        ("_prepare_4d_causal_attention_mask", "make_prepare_4d_mask_in_float64", False, "4.36", "4.49",
+         "only transformers 4.36 - 4.48 build OPT's causal mask through this helper, which overflows in float64"),
+    ]
+
+
+def test_gpt_neox_limits_its_table_only_where_the_causal_buffer_is_fixed():
+    """GPT-NeoX up to 4.30 slices its causal mask from a buffer of ``max_position_embeddings`` columns, which a longer
+    sequence overflows (a limit); from 4.36 the buffer grows, then is gone: no limit."""
+    importlib.import_module(FAMILIES["gpt_neox"].module)
+    adapter = FAMILIES["gpt_neox"].load_adapter()
+    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if (4, 31) <= release < (4, 36):
+        pytest.skip("not measured on 4.31 - 4.35 (the attention class tells)")
+    fixed = release < (4, 31)
+    assert adapter._causal_buffer_is_fixed() is fixed
+    assert adapter.TABLE_IS_A_LIMIT is fixed
+    assert adapter.limits(tiny_config("gpt_neox")).max_positions == (64 if fixed else None)
+
+
+def test_is_tracing_is_true_under_every_tracer():
+    """The patch steps aside where ``is_tracing()`` says a tracer runs: inside torch.jit.trace and torch.fx's
+    symbolic trace (with or without a tensor to look at), never in an eager call."""
+    from neofix import _compat
+
+    seen = {}
+
+    def probe(name):
+        def function(x):
+            seen[name] = (_compat.is_tracing(), _compat.is_tracing(x))
+            return x + 1
+
+        return function
+
+    x = torch.ones(2)
+    probe("eager")(x)
+    torch.jit.trace(probe("jit"), (x,), check_trace=False)
+    torch.fx.symbolic_trace(probe("fx"))
+    assert seen == {"eager": (False, False), "jit": (True, True), "fx": (True, True)}

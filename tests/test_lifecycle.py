@@ -453,3 +453,74 @@ def test_neofix_families_environment():
     )
     assert out is True  # an unknown name is said, and every family patched
     assert "NEOFIX_FAMILIES='gpt_neo,nonsense': unknown model family ['nonsense']" in err
+
+
+def test_a_warning_points_at_the_callers_line(monkeypatch):
+    """A NeofixWarning of ``patch()`` names the caller's line, not neofix's."""
+    from neofix import _compat
+
+    neofix.unpatch()
+    monkeypatch.setattr(_compat, "transformers_version", lambda: "4.20.0")
+    with pytest.warns(neofix.NeofixWarning, match="is outside the tested range") as caught:
+        neofix.patch()
+    # one warning per family whose module is loaded (more after other tests loaded them), each at this line
+    assert caught and {warning.filename for warning in caught} == {__file__}
+
+
+# -- register(): what ``import neofix`` does, in this process --------------------------------------------------------
+
+
+@pytest.fixture
+def registering(monkeypatch):
+    """The state ``import neofix`` registers from: nothing patched, the import hooks on, every family enabled, no
+    NEOFIX_ variable set, and one family's modeling module not loaded yet (hidden from ``sys.modules``); the finders
+    ``register()`` adds to ``sys.meta_path`` are removed afterwards.  Yields the hidden module's name and
+    ``sys.meta_path`` as it was."""
+    for name in [name for name in os.environ if name.startswith("NEOFIX_")]:
+        monkeypatch.delenv(name)
+    neofix.unpatch()
+    monkeypatch.setattr(_lifecycle, "_hooks_enabled", True)
+    monkeypatch.setattr(_lifecycle, "_enabled", frozenset(FAMILIES))
+    hidden = FAMILIES["bloom"].module
+    monkeypatch.delitem(sys.modules, hidden, raising=False)
+    before = list(sys.meta_path)
+    yield hidden, before
+    sys.meta_path[:] = [f for f in sys.meta_path if f in before or not isinstance(f, _lifecycle._ModuleWatcher)]
+
+
+@pytest.mark.parametrize("value", ["1", "true", "Yes", " ON "])
+def test_neofix_disable_registers_no_hook(registering, monkeypatch, value):
+    """NEOFIX_DISABLE (any of 1/true/yes/on, any case): ``import neofix`` patches no loaded module and waits for no
+    other."""
+    monkeypatch.setenv("NEOFIX_DISABLE", value)
+    _lifecycle.register()
+    assert not neofix.is_patched()
+    assert sys.meta_path == registering[1]
+    assert {state for _, state, _ in _lifecycle.status()} <= {"unpatched", "pending"}
+
+
+def test_register_patches_the_loaded_modules_at_once_and_waits_first_for_the_others(registering, monkeypatch):
+    """A loaded family's module is patched as ``import neofix`` registers; one not loaded yet is waited for by a
+    finder placed first in ``sys.meta_path``, ahead of every finder that could load it."""
+    monkeypatch.setenv("NEOFIX_DISABLE", "0")
+    _lifecycle.register()
+    assert _lifecycle._applied.get("gpt_neo")
+    rows = {name: state for name, state, _ in _lifecycle.status()}
+    assert rows["GPTNeoModel.forward"] == "patched"
+    watcher = sys.meta_path[0]
+    assert isinstance(watcher, _lifecycle._ModuleWatcher)
+    assert registering[0] in watcher.waiting
+    assert not watcher.waiting & {family.module for family in FAMILIES.values() if family.module in sys.modules}
+
+
+def test_neofix_families_chooses_what_register_patches(registering, monkeypatch):
+    """NEOFIX_FAMILIES=gpt2: the loaded GPT-Neo is left alone, by the import hook and by a later ``patch()``."""
+    monkeypatch.setenv("NEOFIX_FAMILIES", " gpt2 ")
+    _lifecycle.register()
+    assert not _lifecycle._applied.get("gpt_neo")
+    neofix.patch()
+    assert not _lifecycle._applied.get("gpt_neo")
+    state, reason = {name: (state, reason) for name, state, reason in _lifecycle.status()}["GPTNeoModel.forward"]
+    assert (state, reason) == (
+        "unpatched", "GPT-Neo is not among the families patched (NEOFIX_FAMILIES or neofix.patch(families=...))"
+    )

@@ -564,3 +564,20 @@ def test_is_tracing_is_true_under_every_tracer():
     torch.jit.trace(probe("jit"), (x,), check_trace=False)
     torch.fx.symbolic_trace(probe("fx"))
     assert seen == {"eager": (False, False), "jit": (True, True), "fx": (True, True)}
+
+
+def test_limits_are_the_models_own_sizes(lm32, adapter):
+    """The limits read off the config are the model's sizes, as Python ints: the vocabulary and hidden width of its
+    embedding, and the heads and head size of the cache it writes (compared with the cache on releases whose caches
+    have layers)."""
+    limits = adapter.limits(lm32.config)
+    embedding = lm32.get_input_embeddings()
+    assert (limits.vocab_size, limits.hidden_size) == (embedding.num_embeddings, embedding.embedding_dim)
+    assert {type(limits.heads), type(limits.head_dim)} == {int}  # every family's cache layout is checked
+    assert limits.heads * limits.head_dim == limits.hidden_size
+    with torch.no_grad():
+        cache = output_cache(lm32(input_ids=torch.ones(2, 3, dtype=torch.long), use_cache=True))
+    if not hasattr(cache, "layers"):
+        return  # a legacy tuple cache (before 4.54): its layout differs by family (BLOOM folds heads into the batch)
+    keys = cache.layers[0].keys
+    assert (keys.shape[1], keys.shape[-1]) == (limits.heads, limits.head_dim)

@@ -524,3 +524,52 @@ def test_neofix_families_chooses_what_register_patches(registering, monkeypatch)
     assert (state, reason) == (
         "unpatched", "GPT-Neo is not among the families patched (NEOFIX_FAMILIES or neofix.patch(families=...))"
     )
+
+
+def test_unpatch_names_every_method_wrapped_over_neofix():
+    """Two methods wrapped again by another library: both are named, with the plural."""
+    import functools
+
+    owners = (modeling_gpt_neo.GPTNeoModel, "forward"), (modeling_gpt_neo.GPTNeoForCausalLM, "generate")
+    ours = [vars(cls)[name] for cls, name in owners]
+    for (cls, name), method in zip(owners, ours):
+        setattr(cls, name, functools.wraps(method)(lambda self, *a, _method=method, **k: _method(self, *a, **k)))
+    try:
+        with pytest.warns(neofix.NeofixWarning) as caught:
+            assert neofix.unpatch() is False
+        message = str(caught[0].message)
+        assert message.startswith(
+            "neofix: cannot unpatch: GPTNeoModel.forward, GPTNeoForCausalLM.generate were wrapped again "
+        ), message
+    finally:
+        for (cls, name), method in zip(owners, ours):
+            setattr(cls, name, method)
+    assert neofix.unpatch() is True
+    neofix.patch()
+
+
+def test_families_named_in_a_string_and_the_unknown_ones_named():
+    """``families`` as one comma-separated string (spaces allowed) patches each; several unknown names are all named,
+    with the plural, after where they were given."""
+    neofix.unpatch()
+    try:
+        assert neofix.patch(families=" gpt_neo, gpt2 ,") is True
+        assert _lifecycle._enabled == {"gpt_neo", "gpt2"} and _lifecycle._applied.get("gpt_neo")
+    finally:
+        neofix.patch(families=neofix.FAMILIES)
+    with pytest.raises(ValueError) as raised:
+        neofix.patch(families="gpt6,gpt5")
+    assert str(raised.value) == (
+        f"neofix.patch(families=...): unknown model families ['gpt5', 'gpt6']; choose from {sorted(FAMILIES)}"
+    )
+
+
+def test_status_of_a_loaded_family_while_unpatched():
+    """Every target of a loaded family, while neofix is not applied: "unpatched", "neofix is not applied"."""
+    neofix.unpatch()
+    try:
+        rows = {name: (state, reason) for name, state, reason in _lifecycle.status()}
+        assert rows["GPTNeoModel.forward"] == ("unpatched", "neofix is not applied")
+        assert rows["GPTNeoForCausalLM.generate"] == ("unpatched", "neofix is not applied")
+    finally:
+        neofix.patch()

@@ -79,14 +79,15 @@ def test_positional_names_drop_self_only():
 
 def test_tracer_under_each_tracer():
     """``tracer()`` at a forward's entry: eager outside any tracer; stepping aside inside torch.jit.trace (whose
-    inputs are plain tensors) and torch.fx (with the traced Proxy, and with any other argument, as HFTracer passes)."""
+    inputs are plain tensors) and torch.fx (with the traced Proxy, and with any other argument, as HFTracer passes).
+    ``is_tracing()`` agrees, with or without a tensor to look at."""
     import torch
 
     seen = {}
 
     def probe(name):
         def function(x):
-            seen[name] = (_compat.tracer(x), _compat.tracer(None))
+            seen[name] = (_compat.tracer(x), _compat.tracer(None), _compat.is_tracing(), _compat.is_tracing(x))
             return x + 1
 
         return function
@@ -95,5 +96,5 @@ def test_tracer_under_each_tracer():
     probe("eager")(x)
     torch.jit.trace(probe("jit"), (x,), check_trace=False)
     torch.fx.symbolic_trace(probe("fx"))
-    aside = (_compat.STEPPING_ASIDE, _compat.STEPPING_ASIDE)
-    assert seen == {"eager": (_compat.EAGER, _compat.EAGER), "jit": aside, "fx": aside}
+    aside = (_compat.STEPPING_ASIDE, _compat.STEPPING_ASIDE, True, True)
+    assert seen == {"eager": (_compat.EAGER, _compat.EAGER, False, False), "jit": aside, "fx": aside}

@@ -545,26 +545,6 @@ def test_gpt_neox_limits_its_table_only_where_the_causal_buffer_is_fixed():
     assert adapter.limits(tiny_config("gpt_neox")).max_positions == (64 if fixed else None)
 
 
-def test_is_tracing_is_true_under_every_tracer():
-    """The patch steps aside where ``is_tracing()`` says a tracer runs: inside torch.jit.trace and torch.fx's
-    symbolic trace (with or without a tensor to look at), never in an eager call."""
-    from neofix import _compat
-
-    seen = {}
-
-    def probe(name):
-        def function(x):
-            seen[name] = (_compat.is_tracing(), _compat.is_tracing(x))
-            return x + 1
-
-        return function
-
-    x = torch.ones(2)
-    probe("eager")(x)
-    torch.jit.trace(probe("jit"), (x,), check_trace=False)
-    torch.fx.symbolic_trace(probe("fx"))
-    assert seen == {"eager": (False, False), "jit": (True, True), "fx": (True, True)}
-
 
 def test_limits_are_the_models_own_sizes(lm32, adapter):
     """The limits read off the config are the model's sizes, as Python ints: the vocabulary and hidden width of its

@@ -168,3 +168,36 @@ def test_shortened_errors_fit_the_cell():
     # the cut falls after a space: it is dropped, the text ends "word..."
     spaced = ValueError("w" * 50 + " " + "tail" * 10)  # "ValueError: " (12) + 50: the space is the 63rd, the last kept
     assert shorten_error(spaced) == "ValueError: " + "w" * 50 + "..."
+
+
+@pytest.mark.parametrize(
+    "scenario, vanilla, fixed, right, text",
+    [
+        (_Fake(), _Outcome(OTHER, None), _Outcome(TOKENS, None), True, "repaired"),
+        (_Fake(), _Outcome(TOKENS, None), _Outcome(TOKENS, None), True, "correct"),
+        (_Fake(), _Outcome(OTHER, None), _Outcome(OTHER, None), False, "wrong tokens, no error"),
+        (_Fake(), _Outcome(OTHER, None), _Outcome(None, neofix.MaskLengthError("x")), False, "clear error: MaskLengthError"),
+        (_Fake(neofix.TokenIdError), _Outcome(None, IndexError("index out of range in self")),
+         _Outcome(None, neofix.TokenIdError("x")), True, "clear error: TokenIdError"),
+        (_Fake(neofix.TokenIdError), _Outcome(None, IndexError("i")), _Outcome(None, neofix.PositionError("x")),
+         False, "clear error: PositionError"),
+        (_Fake(neofix.TokenIdError), _Outcome(None, IndexError("i")), _Outcome(None, IndexError("index out")),
+         False, "IndexError: index out"),
+        (_Fake(neofix.TokenIdError), _Outcome(TOKENS, None), _Outcome(TOKENS, None), False,
+         "accepted, no error (tokens as intended)"),
+        (_Fake(parity=True), _Outcome(OTHER, None), _Outcome(TOKENS, None), False, "differs from vanilla"),
+        (_Fake(parity=True), _Outcome(TOKENS, None), _Outcome(TOKENS, None), True, "correct"),
+    ],
+)
+def test_verdicts(scenario, vanilla, fixed, right, text):
+    row = _judge(scenario, TOKENS, vanilla, fixed, strict=False)
+    assert row.right is right
+    assert row.neofix.text == text
+
+
+def test_strict_verdicts_use_the_strict_expectation():
+    scenario = _Fake(error=None, strict_error=neofix.MaskLengthError)
+    wrong = _Outcome(OTHER, None)
+    assert _judge(scenario, TOKENS, wrong, _Outcome(None, neofix.MaskLengthError("x")), strict=True).right
+    assert not _judge(scenario, TOKENS, wrong, _Outcome(TOKENS, None), strict=True).right
+    assert not _judge(scenario, TOKENS, wrong, _Outcome(None, neofix.MaskLengthError("x")), strict=False).right

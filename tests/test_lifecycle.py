@@ -14,7 +14,7 @@ from transformers.models.gpt_neo import modeling_gpt_neo
 
 import neofix
 from neofix import _lifecycle
-from neofix._families import FAMILIES, GPT_NEO
+from neofix._families import FAMILIES
 
 OWNERS = {
     "GPTNeoModel": "forward",

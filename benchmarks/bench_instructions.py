@@ -2,7 +2,7 @@
 
 Run from the repository root with the environment neofix is installed in (needs Debian's valgrind and gcc)::
 
-    python benchmarks/bench_instructions.py                    # tiny model, every forward kind (about 10 minutes)
+    python benchmarks/bench_instructions.py                    # tiny model, every forward kind (about 15 minutes)
     python benchmarks/bench_instructions.py --models tiny,125m --kinds prefill --calls 2
     python benchmarks/bench_instructions.py --help
 

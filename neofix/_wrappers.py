@@ -79,8 +79,11 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
             return _compiled_step(self, original, names, args, kwargs, adapter)
         if pending:  # position reports of earlier steps, read once their copies have landed (never waiting)
             _reports.poll()
-        layers, limits = _model_facts(self, adapter)
-        prefilled = chunk_view = None
+        facts = _FACTS.get(id(self))  # (inlined: this runs on every forward)
+        if facts is None or facts[0]() is not self:
+            facts = _read_model_facts(self, adapter)
+        layers, limits = facts[1], facts[2]
+        prefilled = None
         if len(args) <= 1 and first is not None and (args or "input_ids" in kwargs):
             shape = first.shape
             if len(shape) == 2 and shape[1] == 1 and not settings.check_values:
@@ -105,38 +108,34 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                             explain_overflow(exc, self.config, kwargs.get("attention_mask"),
                                              kwargs.get("position_ids"), cache.length)
                         raise
-            prefilled, chunk_view = plain_forward(first, shape, kwargs, layers, limits, adapter)
-            if prefilled is not None and not prefilled.right_padded and (
-                prefilled.positions is None or takes_positions
-            ):
-                # The usual forward without a cache (training, scoring, heads, a loop's first forward), or a chunk of
-                # a prompt after a cache with a mask over both: values read, and nothing to change but the positions
-                # derived from a left-padded mask.
-                past = 0
-                if chunk_view is not None:
-                    past = chunk_view.length
-                    check_step(self, chunk_view)
-                    if right_padded:
+            prefilled, past = plain_forward(first, shape, kwargs, layers, limits, adapter)
+            if prefilled is not None:
+                positions, _, _, padded_rows, repairs = prefilled
+                if not padded_rows and (positions is None or takes_positions):
+                    # The usual forward without a cache (training, scoring, heads, a loop's first forward), or a
+                    # chunk of a prompt after a cache with a mask over both: values read, and nothing to change but
+                    # the positions derived from a left-padded mask.  (No check_step: a chunk's cache grows.  A
+                    # fixed-capacity one has no length to tell without reading the device: the general path has it.)
+                    if past and right_padded:
                         _check_right_padding(kwargs)
-                positions = prefilled.positions
-                if positions is not None:
-                    kwargs["position_ids"] = positions
-                    _reports.warn_repairs(prefilled.repairs)
-                if listeners:
-                    mask = kwargs.get("attention_mask")
-                    _reports.emit(
-                        StepInfo(
-                            self, shape[0], shape[1], past, None if mask is None else mask.shape[-1], mask,
-                            positions, tuple(repair.kind for repair in prefilled.repairs),
+                    if positions is not None:
+                        kwargs["position_ids"] = positions
+                        _reports.warn_repairs(repairs)
+                    if listeners:
+                        mask = kwargs.get("attention_mask")
+                        _reports.emit(
+                            StepInfo(
+                                self, shape[0], shape[1], past, None if mask is None else mask.shape[-1], mask,
+                                positions, tuple(repair.kind for repair in repairs),
+                            )
                         )
-                    )
-                try:
-                    return original(self, *args, **kwargs)
-                except IndexError as exc:
-                    explain_index_error(exc, limits, first, None, positions)
-                    if explain_overflow is not None:
-                        explain_overflow(exc, self.config, kwargs.get("attention_mask"), positions, past)
-                    raise
+                    try:
+                        return original(self, *args, **kwargs)
+                    except IndexError as exc:
+                        explain_index_error(exc, limits, first, None, positions)
+                        if explain_overflow is not None:
+                            explain_overflow(exc, self.config, kwargs.get("attention_mask"), positions, past)
+                        raise
         if args:  # generate and the heads pass input_ids alone positionally: skip zip() for that case
             kwargs = {first_name: args[0], **kwargs} if len(args) == 1 else {**dict(zip(names, args)), **kwargs}
         input_ids = kwargs.get("input_ids")
@@ -218,13 +217,13 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
 
 def plain_forward(
     input_ids: Any, shape: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any
-) -> tuple[Any, Any]:
+) -> tuple[Any, int]:
     """The values of a forward given ``input_ids`` and a 2D mask (or none) and no positions, token types, embeddings
     or ``cache_position``: without a cache (the usual training, scoring and classification call, and a loop's first
     forward), or a chunk of two or more tokens after a cache whose every layer holds the same ``p`` tokens of the same
     rows, with a mask over the ``p`` cached and the new tokens.  Read by :func:`~neofix._core.read_prefill`, as
-    :func:`~neofix._core.align` would read them: ``(settled, cache view)`` (the view ``None`` without a cache), or
-    ``(None, None)`` for any other call, and for any call ``align`` would refuse before reading a value (the general
+    :func:`~neofix._core.align` would read them: ``(settled, p)`` (``p`` 0 without a cache), or ``(None, 0)`` for any
+    other call, and for any call ``align`` would refuse before reading a value (the general
     path aligns those, and says what is wrong).  Shapes are checked first, from the call's arguments alone.
     Positions are derived from a left-padded mask for the families that take absolute ones (``adapter.POSITIONS``),
     as ``align`` derives them."""
@@ -234,30 +233,30 @@ def plain_forward(
         or kwargs.get("inputs_embeds") is not None
         or kwargs.get("cache_position") is not None
     ):
-        return None, None
+        return None, 0
     cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
     mask = kwargs.get("attention_mask")
     if len(shape) != 2 or shape[1] == 0:  # (``shape``: input_ids.shape)
-        return None, None
+        return None, 0
     derive = adapter.POSITIONS == "absolute"
     if cache is None:
-        limit = limits.max_positions
+        limit = limits[0]  # max_positions
         if (limit is not None and shape[1] > limit) or not shapes_fit(
             0, input_ids, shape, mask, None if mask is None else mask.shape
         ):
-            return None, None
-        return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), None
+            return None, 0
+        return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), 0
     if mask is None or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):  # the general path wraps such tuples
-        return None, None
+        return None, 0
     view = adapter.read_cache(cache, layers)
-    past = view.length
+    past = view[0]  # length
     mask_shape = mask.shape
     if not past or len(mask_shape) != 2 or mask_shape[0] != shape[0] or not shapes_fit(
         past, input_ids, shape, mask, mask_shape
     ):
-        return None, None
+        return None, 0
     check_cache(view, shape[0], shape[1], limits)  # what align checks (and raises) before it reads a value
-    return read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive), view
+    return read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive), past
 
 
 def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple, kwargs: dict, adapter: Any) -> Any:
@@ -322,7 +321,7 @@ def aligned_decode_step(input_ids: Any, shape: Any, kwargs: dict, layers: int, l
         kwargs.get("token_type_ids") is not None,
         None if cache_position is None else cache_position.shape[-1],
         view,
-        limits.max_positions,
+        limits,
         adapter.POSITIONS != "absolute",  # missing positions are the model's own business
     )
     return view if unchanged else None
@@ -397,17 +396,16 @@ def _check_right_padding(kwargs: dict) -> None:
 _FACTS: dict[int, tuple[Any, int, Limits]] = {}
 
 
-def _model_facts(model: Any, adapter: Any) -> tuple[int, Limits]:
+def _read_model_facts(model: Any, adapter: Any) -> tuple[Any, int, Limits]:
+    """Read and remember ``model``'s facts (the model forward looks them up in ``_FACTS`` first)."""
     key = id(model)
-    facts = _FACTS.get(key)
-    if facts is None or facts[0]() is not model:
-        facts = (
-            weakref.ref(model, lambda _, key=key: _FACTS.pop(key, None)),
-            adapter.layers(model),
-            adapter.limits(model.config),
-        )
-        _FACTS[key] = facts
-    return facts[1], facts[2]
+    facts = (
+        weakref.ref(model, lambda _, key=key: _FACTS.pop(key, None)),
+        adapter.layers(model),
+        adapter.limits(model.config),
+    )
+    _FACTS[key] = facts
+    return facts
 
 
 def _legacy_cache(legacy: tuple, config: Any) -> Any:

@@ -124,7 +124,7 @@ SLOW = {
 
 def in_step(model, kwargs):
     """Whether the model forward's fast path takes this call."""
-    layers, limits = _wrappers._model_facts(model.transformer, gpt_neo)
+    _, layers, limits = _wrappers._read_model_facts(model.transformer, gpt_neo)
     shape = kwargs["input_ids"].shape
     if len(shape) != 2 or shape[1] != 1:  # the model forward asks only for one new token per row
         return False
@@ -395,7 +395,7 @@ def test_plain_forwards_take_the_prefill_path(model, monkeypatch):
 
     def spy(*args):
         result = real(*args)
-        taken.append((result[0] is not None, result[1] is not None))
+        taken.append((result[0] is not None, result[1]))  # (read, tokens the cache held)
         return result
 
     monkeypatch.setattr(_wrappers, "plain_forward", spy)
@@ -407,7 +407,7 @@ def test_plain_forwards_take_the_prefill_path(model, monkeypatch):
         model(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask))  # positions: general path
         cache = output_cache(model(input_ids=ids[:, :3], attention_mask=mask[:, :3], use_cache=True))
         model(input_ids=ids[:, 3:], attention_mask=mask, **{cache_keyword(): cache})  # a chunk: mask over both
-    assert taken == [(True, False)] * 3 + [(False, False), (True, False), (True, True)]
+    assert taken == [(True, 0)] * 3 + [(False, 0), (True, 0), (True, 3)]
 
 
 @pytest.mark.parametrize(
@@ -465,7 +465,7 @@ if given is not None:
             with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 if not fast:
-                    patch.setattr(_wrappers, "plain_forward", lambda *args: (None, None))
+                    patch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0))
                 with torch.no_grad(), neofix.trace(model) as steps:
                     if uncached != "none":
                         cache = output_cache(model(**prefill))

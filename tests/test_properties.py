@@ -619,7 +619,7 @@ def test_align_core(case):
         False,
         None,
         view,
-        CORE_LIMITS.max_positions,
+        CORE_LIMITS,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", neofix.NeofixWarning)
@@ -668,7 +668,7 @@ def test_fast_path_of_families_that_make_their_own_positions(case, kind):
             mask[0, 0] = 0  # a left pad in row 0
     view = CacheView(case.past, case.cache_batch, case.layers or None, None, None, None, "legacy")
     shape = None if mask is None else mask.shape
-    args = (case.batch, case.new, shape, None, False, None, view, CORE_LIMITS.max_positions)
+    args = (case.batch, case.new, shape, None, False, None, view, CORE_LIMITS)
     unchanged = step_unchanged(*args, True)
     assert step_unchanged(*args) <= unchanged  # the absolute predicate is the stricter one
     if not unchanged:

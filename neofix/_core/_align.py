@@ -67,7 +67,7 @@ def step_unchanged(
     token_types_given: bool,
     cache_position_length: int | None,
     cache: CacheView,
-    max_positions: int | None,
+    limits: Limits,
     model_positions: bool = False,
 ) -> bool:
     """Whether :func:`align` (with ``check_values`` off) returns the step as given: nothing repaired, nothing raised,
@@ -75,20 +75,22 @@ def step_unchanged(
     is, a single-token decode step that already keeps the contract.
 
     True for one new token per row after a cache every layer of which holds the same ``p > 0`` tokens of the same
-    rows, with ``p + 1`` within the position table, no token types, a ``cache_position`` of one entry or none, and
+    rows, in keys of the model's heads and head width, with ``p + 1`` within the position table, no token types, a ``cache_position`` of one entry or none, and
     either a 2D mask of ``p + 1`` columns with one position per row, or no mask (with one position per row or none:
     transformers 5.x passes no mask for an unpadded batch).  ``model_positions``: the family leaves missing positions
     to the model (``Policy.positions`` other than ``"absolute"``), so a mask of ``p + 1`` columns without positions
     is unchanged too.
     """
-    past = cache.length
-    if new != 1 or not past or cache.batch != batch or token_types_given:
+    past, rows, lengths, _, heads, head_dim, _ = cache  # unpacked at once: cheaper than each field by name
+    max_positions, _, _, model_heads, model_head_dim = limits
+    if new != 1 or not past or rows != batch or token_types_given:
         return False
+    if heads is not None and model_heads is not None and (heads != model_heads or head_dim != model_head_dim):
+        return False  # a cache another model built: check_cache names it
     if max_positions is not None and past >= max_positions:
         return False
     if cache_position_length not in (None, 1):
         return False
-    lengths = cache.layer_lengths
     if lengths is None or lengths.count(past) != len(lengths):
         return False
     if mask_shape is None:
@@ -190,21 +192,21 @@ def read_inputs(step: StepInputs, limits: Limits) -> tuple[int, int] | None:
 
 def check_cache(cache: CacheView, batch: int, new: int, limits: Limits) -> int | None:
     """Check the cache against the step; return ``p + q`` (``None`` when the cache's length cannot be told)."""
-    if cache.batch is not None and cache.batch != batch:
+    # Unpacked at once: a named field costs a lookup each, several times a tuple's right after a forward (this runs
+    # on every step that is not the usual decode step).
+    past, rows, lengths, _, heads, head_dim, _ = cache
+    max_positions, _, _, model_heads, model_head_dim = limits
+    if rows is not None and rows != batch:
         raise BatchMismatchError(
-            f"the cache holds {cache.batch} rows, but this step feeds {batch}: the cache, attention_mask and "
+            f"the cache holds {rows} rows, but this step feeds {batch}: the cache, attention_mask and "
             f"inputs must hold the same rows (reorder or select the cache with the inputs, e.g. after beam search)"
         )
-    if cache.heads is not None and limits.heads is not None and (
-        cache.heads != limits.heads or cache.head_dim != limits.head_dim
-    ):
+    if heads is not None and model_heads is not None and (heads != model_heads or head_dim != model_head_dim):
         raise InputShapeError(
-            f"the cache holds keys of {cache.heads} heads of width {cache.head_dim}, but this model has {limits.heads} "
-            f"heads of width {limits.head_dim}: the cache was built by another model. Pass the cache this model "
+            f"the cache holds keys of {heads} heads of width {head_dim}, but this model has {model_heads} "
+            f"heads of width {model_head_dim}: the cache was built by another model. Pass the cache this model "
             f"returned, or none (the prompt is then encoded again)"
         )
-    past = cache.length
-    lengths = cache.layer_lengths
     if lengths is not None and past is not None:
         # one pass in C for the usual case (every layer holds past, or cannot tell); the loop names the layer
         if lengths.count(past) + lengths.count(None) != len(lengths):
@@ -214,14 +216,14 @@ def check_cache(cache: CacheView, batch: int, new: int, limits: Limits) -> int |
     if past is None:
         return None
     total = past + new
-    if limits.max_positions is not None and total > limits.max_positions:
-        fit = max(limits.max_positions - past, 0)
+    if max_positions is not None and total > max_positions:
+        fit = max(max_positions - past, 0)
         error = SequenceTooLongError(
             f"this step would reach sequence length {total} (the cache holds {past} tokens and the step "
-            f"feeds {new}), but config.max_position_embeddings is {limits.max_positions}: {fit} more new "
+            f"feeds {new}), but config.max_position_embeddings is {max_positions}: {fit} more new "
             f"token{'s' if fit != 1 else ''} fit; shorten the prompt or generate fewer tokens"
         )
-        error.past, error.total, error.max_positions = past, total, limits.max_positions
+        error.past, error.total, error.max_positions = past, total, max_positions
         raise error
     return total
 

@@ -272,6 +272,72 @@ def test_a_cache_given_as_a_list_gets_vanillas_outcome(lm32):
     assert_same_outcome(*(getattr(outcome, "logits", outcome) for outcome in (patched, plain)))
 
 
+def test_a_bloom_cache_of_other_heads_is_refused_naming_them():
+    """BLOOM: the cache of a BLOOM with 2 heads of width 16, passed to one with 4 heads of width 8, is refused before
+    the model runs.  Up to 4.43 the cache is fused (keys ``(batch * heads, head_dim, tokens)``, rows the model's head
+    count splits): named in that layout, held in a tuple or a list; from 4.44 a legacy tuple of the usual layout."""
+    if "bloom" not in NAMES:
+        pytest.skip("NEOFIX_TEST_FAMILIES leaves BLOOM out")
+    available("bloom")
+    model, other = tiny_model("bloom"), tiny_model("bloom", n_head=2)
+    ids = torch.ones(2, 4, dtype=torch.long)
+    with torch.no_grad():
+        cache = legacy(output_cache(other(input_ids=ids, use_cache=True)))
+    if FAMILIES["bloom"].load_adapter().FUSED_CACHE:
+        caches, expected = (tuple(cache), list(cache)), (
+            "the cache holds keys of shape (4, 16, 4) (batch * heads, head_dim, tokens), but this model has 4 heads "
+            "of width 8: its keys are 16 wide. The cache was built by another model: pass the cache this model "
+            "returned, or none (the prompt is then encoded again)"
+        )
+    else:
+        caches, expected = (tuple(cache),), (
+            "the cache holds keys of 2 heads of width 16, but this model has 4 heads of width 8: the cache was built "
+            "by another model. Pass the cache this model returned, or none (the prompt is then encoded again)"
+        )
+    for given in caches:
+        error, _ = run(
+            lambda: model(input_ids=ids[:, -1:], attention_mask=torch.ones(2, 5, dtype=torch.long), use_cache=True,
+                          **{cache_keyword(model): given})
+        )
+        assert isinstance(error, neofix.InputShapeError), (type(given), error)
+        assert str(error) == expected
+
+
+#: Per family: the config attribute of its head count.
+HEADS = {
+    "gpt_neo": "num_heads", "gpt2": "n_head", "gptj": "n_head", "codegen": "n_head", "gpt_neox": "num_attention_heads",
+    "opt": "num_attention_heads", "bloom": "n_head",
+}
+
+
+def test_a_decode_step_on_another_models_cache_is_refused(family, adapter, lm32):
+    """A well-formed single-token step, with a mask over cache and token or without one, on the cache of a model of
+    8 heads of width 4 (this one has 4 of width 8): refused before the model runs, naming both layouts.  The usual
+    decode step skips alignment (the fast path), and must not skip this check: vanilla fails inside attention with
+    a tensor size mismatch, or, with the cache object a model returns, did so through neofix too."""
+    other = tiny_model(family, seed=1, **{HEADS[family]: 8})
+    ids = torch.ones(2, 4, dtype=torch.long)
+    expected = (
+        "the cache holds keys of 8 heads of width 4, but this model has 4 heads of width 8: the cache was built by "
+        "another model. Pass the cache this model returned, or none (the prompt is then encoded again)"
+    )
+    if getattr(adapter, "FUSED_CACHE", False):  # BLOOM up to 4.43: keys (batch * heads, head_dim, tokens)
+        expected = (
+            "the cache holds keys of shape (16, 4, 4) (batch * heads, head_dim, tokens), but this model has 4 heads "
+            "of width 8: its keys are 4 wide. The cache was built by another model: pass the cache this model "
+            "returned, or none (the prompt is then encoded again)"
+        )
+    for mask in (torch.ones(2, 5, dtype=torch.long), None):
+        with torch.no_grad():
+            cache = output_cache(other(input_ids=ids, use_cache=True))
+        step = dict(input_ids=ids[:, -1:], use_cache=True, **{cache_keyword(lm32): cache})
+        if mask is not None:
+            step["attention_mask"] = mask
+        error, _ = run(lambda: lm32(**step))
+        assert isinstance(error, neofix.InputShapeError), (mask is None, error)
+        assert str(error) == expected
+
+
 # -- generate parity ---------------------------------------------------------------------------------------------------
 
 
@@ -517,8 +583,8 @@ def test_a_standard_family_declares_its_targets():
         "opt", "OPT", "OPTDecoder", "OPTForCausalLM", helper, no_stopping="no table", prepare_since="4.36",
         prepare_why="before 4.36",
     )
-    assert (family.name, family.title, family.module, family.adapter) == (
-        "opt", "OPT", "transformers.models.opt.modeling_opt", "neofix._families.opt"
+    assert (family.name, family.title, family.module, family.base_model, family.causal_lm, family.adapter) == (
+        "opt", "OPT", "transformers.models.opt.modeling_opt", "OPTDecoder", "OPTForCausalLM", "neofix._families.opt"
     )
     assert targets(family) == [
         ("OPTDecoder.forward", "make_model_forward", True, None, None, ""),
@@ -529,6 +595,24 @@ def test_a_standard_family_declares_its_targets():
         ("_prepare_4d_causal_attention_mask", "make_prepare_4d_mask_in_float64", False, "4.36", "4.49",
          "only transformers 4.36 - 4.48 build OPT's causal mask through this helper, which overflows in float64"),
     ]
+    plain = _float64_mask("_prepare_4d_causal_attention_mask", "GPT-Neo", "4.36", "4.45")  # not widened
+    assert targets(_standard("gpt_neo", "GPT-Neo", "GPTNeoModel", "GPTNeoForCausalLM", plain))[-1] == (
+        "_prepare_4d_causal_attention_mask", "make_prepare_4d_mask_for_float64", False, "4.36", "4.45",
+        "only transformers 4.36 - 4.44 build GPT-Neo's causal mask through this helper, which overflows in float64",
+    )
+
+
+def test_every_declared_wrapper_is_a_factory_of_neofix_wrappers():
+    """Every target of every family names a factory of ``neofix._wrappers`` (or none, with the reason it is left
+    alone), release-gated ones included: a misspelt name would break patching only on the releases it is for."""
+    from neofix import _wrappers
+
+    for family in FAMILIES.values():
+        for target in family.targets:
+            if target.wrapper:
+                assert callable(getattr(_wrappers, target.wrapper, None)), (family.name, target.name, target.wrapper)
+            else:
+                assert target.why and not target.required, (family.name, target.name)
 
 
 def test_gpt_neox_limits_its_table_only_where_the_causal_buffer_is_fixed():

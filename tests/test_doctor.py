@@ -494,7 +494,12 @@ def test_run_checks_the_built_in_gpt_neo(monkeypatch, process_threads):
     assert fixed["threads"] == 1
     built = tiny_model("gpt_neo", seed=0).state_dict()
     assert all(torch.equal(value, built[name]) for name, value in fixed["model"].state_dict().items())
-    assert lines[-2:] == ["[ 1/2] probe", "[ 2/2] hand-written loop, stale mask"]
+    assert lines == [
+        "loading torch and transformers",
+        "building the tiny random GPT-Neo",
+        "[ 1/2] probe",
+        "[ 2/2] hand-written loop, stale mask",
+    ]
 
 
 def test_a_model_of_20_million_parameters_keeps_the_process_threads(monkeypatch, process_threads):
@@ -585,12 +590,15 @@ def test_the_scenarios_after_a_failing_reference_still_run(monkeypatch):
 
 
 def test_quick_check_runs_the_quick_scenarios_only(monkeypatch):
-    """Another family's quick self-check: the scenarios of ``QUICK`` only, judged as in the full table."""
+    """Another family's quick self-check: the scenarios of ``QUICK`` only, judged as in the full table, announced
+    by one progress line (no numbered line per scenario)."""
     monkeypatch.setattr(_scenarios, "SCENARIOS", scenarios("stale_mask", "arange_positions", "generate_greedy"))
+    lines = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the stale mask's repair (the doctor silences it too)
-        rows = _doctor._quick_check(FAMILIES["gpt2"], True, False, lambda _: None)
+        rows = _doctor._quick_check(FAMILIES["gpt2"], True, False, lines.append)
     assert [(row.key, row.right) for row in rows] == [("stale_mask", True), ("generate_greedy", True)]
+    assert lines == ["GPT-2: quick self-check"]
 
 
 def spy_imports(monkeypatch, fail=()):

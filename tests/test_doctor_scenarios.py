@@ -30,7 +30,7 @@ from neofix._doctor._scenarios import (
 from neofix._families import FAMILIES
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo, tiny_model
 
-from ._versions import cache_keyword
+from ._versions import cache_keyword, output_cache
 
 SCENARIO = {scenario.key: scenario for scenario in SCENARIOS}
 WIDTH = max(ROW_LENGTHS)
@@ -260,6 +260,18 @@ def test_greedy_reference_matches_generate_when_a_row_ends():
     expected = context.generate_reference(1)
     assert (expected == 7).any(), "no row ended before the last step"
     assert torch.equal(context.generate(1), expected)
+
+
+def test_output_cache_under_either_name(ctx):
+    """A forward's cache as the scenarios read it back: ``cache`` (transformers 5.x), else ``past_key_values``,
+    read by the name the output has (never through 5.x's deprecated alias); None when the output carries none."""
+    cache = object()
+    assert _scenarios._output_cache({"logits": 1, "cache": cache}) is cache
+    assert _scenarios._output_cache({"logits": 1, "past_key_values": cache}) is cache
+    assert _scenarios._output_cache({"logits": 1}) is None
+    with torch.no_grad():
+        out = ctx.model(input_ids=ctx.ids, attention_mask=ctx.mask, use_cache=True)
+    assert _scenarios._output_cache(out) is output_cache(out)
 
 
 # --- what the decoding scenarios feed the model -----------------------------------------------------------------

@@ -376,6 +376,18 @@ def test_a_step_of_unknown_cache_length_without_positions_or_mask():
     assert (step.mask_length, step.cached_tokens) == (None, None)
 
 
+def test_a_step_of_unknown_cache_length_with_a_2d_mask():
+    """The cache's length unknown and no positions given: the positions stay unknown, but a 2D mask still counts
+    each row's real tokens (the mask's counts are the only numbers read off the device)."""
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    step = _trace._summarise(4, 3, 1, None, 4, mask, None, (), False, None)
+    assert (step.position_min, step.position_max, step.last_positions) == (None, None, None)
+    assert (step.mask_length_given, step.mask_length, step.real_tokens) == (4, 4, (2, 3, 4))
+    assert str(step) == (
+        "step 4: batch 3, 1 new + ? cached, mask 4, positions ?, repaired: nothing (neofix not patched)"
+    )
+
+
 def test_a_4d_mask_gives_its_key_length_and_no_real_token_counts():
     """A 4D mask is the model's own: its length is its last dimension, and it counts no real tokens per row."""
     mask = torch.zeros(2, 1, 3, 8)

@@ -98,3 +98,24 @@ def test_tracer_under_each_tracer():
     torch.fx.symbolic_trace(probe("fx"))
     aside = (_compat.STEPPING_ASIDE, _compat.STEPPING_ASIDE, True, True)
     assert seen == {"eager": (_compat.EAGER, _compat.EAGER, False, False), "jit": aside, "fx": aside}
+
+
+def test_limits_are_read_from_the_config_attributes_named():
+    """An adapter's limits come from the config attributes it names (the names differ per family): the position
+    table's size (None for a family without one, whatever the config holds), the vocabulary, the width, the head
+    count and the width per head, an int."""
+    from types import SimpleNamespace
+
+    from neofix._families._common import make_limits
+
+    config = SimpleNamespace(n_positions=2048, vocab_size=50257, n_embd=768, n_head=12, hidden_size=5, num_heads=5)
+    limits = make_limits(table="n_positions", width="n_embd", heads="n_head")(config)
+    assert (limits.max_positions, limits.vocab_size, limits.hidden_size, limits.heads, limits.head_dim) == (
+        2048, 50257, 768, 12, 64
+    )
+    assert type(limits.head_dim) is int
+    config = SimpleNamespace(n_positions=9, vocab_size=250880, hidden_size=1024, num_heads=16, n_embd=5, n_head=5)
+    limits = make_limits(table=None, width="hidden_size", heads="num_heads")(config)
+    assert (limits.max_positions, limits.vocab_size, limits.hidden_size, limits.heads, limits.head_dim) == (
+        None, 250880, 1024, 16, 64
+    )

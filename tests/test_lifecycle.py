@@ -158,9 +158,13 @@ def test_a_failing_patch_leaves_nothing_half_applied(monkeypatch):
         raise RuntimeError("this factory fails")
 
     monkeypatch.setattr(_wrappers, "make_generate", broken)  # fails after GPTNeoModel.forward is patched
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    monkeypatch.setattr(_lifecycle, "_hooks_enabled", True)  # as at import: unpatch() turned the hook off
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         _lifecycle._on_import(modeling_gpt_neo)  # the hook never raises into the user's import
+    assert [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)] == [
+        "neofix: patching GPT-Neo failed (RuntimeError: this factory fails); it is left unpatched"
+    ]
     assert not neofix.is_patched()
     assert class_attributes() == before
     monkeypatch.undo()
@@ -573,3 +577,273 @@ def test_status_of_a_loaded_family_while_unpatched():
         assert rows["GPTNeoForCausalLM.generate"] == ("unpatched", "neofix is not applied")
     finally:
         neofix.patch()
+
+
+def test_status_rows_of_a_patched_gpt_neo_whole():
+    """Each GPT-Neo target's row, whole: a method the class defines is "patched" on this release, one it inherits
+    adds that the wrapper went on the class; a target with nothing to do says why, and a module-level helper the
+    release lacks is named after its module."""
+    from neofix import _compat
+
+    version = _compat.transformers_version()
+    cls = modeling_gpt_neo.GPTNeoForCausalLM
+    neofix.unpatch()
+    own = {name: name in vars(cls) for name in ("prepare_inputs_for_generation", "generate", "_get_stopping_criteria")}
+    assert neofix.patch() is True
+    rows = {name: (state, reason) for name, state, reason in _lifecycle.status()}
+    for name, defined in own.items():
+        note = "" if defined else " (inherited; wrapper installed on the class)"
+        assert rows[f"GPTNeoForCausalLM.{name}"] == ("patched", f"transformers {version}{note}"), name
+    assert rows["GPTNeoModel.forward"] == ("patched", f"transformers {version}")
+    assert rows["GPTNeoSelfAttention.forward"] == (
+        "skipped",
+        f"not needed on transformers {version}: GPTNeoModel.forward reads every layer's cache length and refuses an "
+        f"uneven cache before any layer runs, so the eager attention layers need no check of their own",
+    )
+    if not hasattr(modeling_gpt_neo, "GPTNeoFlashAttention2"):  # transformers < 4.36
+        assert rows["GPTNeoFlashAttention2.forward"] == (
+            "skipped", "not needed: this release has no GPTNeoFlashAttention2.forward"
+        )
+    helper = "modeling_gpt_neo._prepare_4d_causal_attention_mask"
+    if not hasattr(modeling_gpt_neo, "_prepare_4d_causal_attention_mask"):  # only 4.36 - 4.44 import it
+        assert rows[helper] == (
+            "skipped",
+            "not needed: this release has no transformers.models.gpt_neo.modeling_gpt_neo._prepare_4d_causal_attention_mask",
+        )
+    else:
+        assert rows[helper][0] in ("patched", "skipped")
+
+
+def test_a_target_outside_its_releases_is_left_as_it_is(monkeypatch):
+    """A target gated to some releases is wrapped only inside them; outside, it is left as it is and its row says
+    why: the target's own reason (GPT-Neo's float64 mask helper, needed from 4.36 to below 4.45), else the releases
+    (the flash-attention forward, from 4.36).  unpatch() puts the very same objects back."""
+    from neofix import _compat
+
+    def helper(*args, **kwargs):
+        pass  # pragma: no cover
+
+    class Flash:
+        def forward(self, *args, **kwargs):
+            pass  # pragma: no cover
+
+    flash_forward = vars(Flash)["forward"]
+    wrappers = set()
+    neofix.unpatch()
+    monkeypatch.setattr(modeling_gpt_neo, "_prepare_4d_causal_attention_mask", helper, raising=False)
+    monkeypatch.setattr(modeling_gpt_neo, "GPTNeoFlashAttention2", Flash, raising=False)
+    why = "only transformers 4.36 - 4.44 build GPT-Neo's causal mask through this helper, which overflows in float64"
+    for version, helper_row, flash_row in (
+        ("4.35.2", ("skipped", f"not needed on transformers 4.35.2: {why}"),
+         ("skipped", "not needed on transformers 4.35.2: only transformers 4.36 and later have it")),
+        ("4.36.0", ("patched", "transformers 4.36.0"), ("patched", "transformers 4.36.0")),
+        ("4.44.2", ("patched", "transformers 4.44.2"), ("patched", "transformers 4.44.2")),
+        ("4.45.0", ("skipped", f"not needed on transformers 4.45.0: {why}"), ("patched", "transformers 4.45.0")),
+    ):
+        monkeypatch.setattr(_compat, "transformers_version", lambda version=version: version)
+        assert neofix.patch() is True
+        rows = {name: (state, reason) for name, state, reason in _lifecycle.status()}
+        assert rows["modeling_gpt_neo._prepare_4d_causal_attention_mask"] == helper_row, version
+        assert rows["GPTNeoFlashAttention2.forward"] == flash_row, version
+        assert (modeling_gpt_neo._prepare_4d_causal_attention_mask is helper) is (helper_row[0] == "skipped")
+        assert (vars(Flash)["forward"] is flash_forward) is (flash_row[0] == "skipped")
+        if flash_row[0] == "patched":  # a wrapper of the original, the very same one each time it is patched
+            assert vars(Flash)["forward"].__wrapped__ is flash_forward
+            wrappers.add(vars(Flash)["forward"])
+        assert neofix.unpatch() is True
+        assert modeling_gpt_neo._prepare_4d_causal_attention_mask is helper and vars(Flash)["forward"] is flash_forward
+    assert len(wrappers) == 1
+
+
+def test_unsupported_transformers_rows_say_why(monkeypatch):
+    """On a transformers outside the supported range every target of the family is "skipped", with the range."""
+    from neofix import _compat
+
+    neofix.unpatch()
+    monkeypatch.setattr(_compat, "transformers_version", lambda: "4.20.0")
+    with pytest.warns(neofix.NeofixWarning):
+        assert neofix.patch() is False
+    rows = {name: (state, reason) for name, state, reason in _lifecycle.status()}
+    for target in FAMILIES["gpt_neo"].targets:
+        assert rows[_lifecycle.target_name(FAMILIES["gpt_neo"], target)] == (
+            "skipped", "transformers 4.20.0 is outside >=4.26,<6"
+        )
+
+
+def test_patch_reaches_every_loaded_family_named(monkeypatch):
+    """``patch(families=...)`` patches each named family whose module is loaded, whatever comes before it in
+    ``neofix.FAMILIES``: a family not named (GPT-Neo), one patched already (GPT-2), one not loaded yet (GPT-J, left
+    pending) are passed over, not stopped at."""
+    import importlib
+
+    from neofix import _compat
+
+    for name in ("gpt2", "bloom"):
+        importlib.import_module(FAMILIES[name].module)
+    neofix.unpatch()
+    monkeypatch.delitem(sys.modules, FAMILIES["gptj"].module, raising=False)
+    try:
+        assert neofix.patch(families=["gpt2"]) is True
+        assert {name for name, applied in _lifecycle._applied.items() if applied} == {"gpt2"}
+        assert neofix.patch(families=["gpt2", "gptj", "bloom"]) is True
+        assert {name for name, applied in _lifecycle._applied.items() if applied} == {"gpt2", "bloom"}
+        rows = {name: (state, reason) for name, state, reason in _lifecycle.status()}
+        assert rows["GPTJModel.forward"] == ("pending", "patched when transformers loads modeling_gptj")
+        assert rows["BloomModel.forward"] == ("patched", f"transformers {_compat.transformers_version()}")
+        assert rows["GPTNeoModel.forward"] == (
+            "unpatched", "GPT-Neo is not among the families patched (NEOFIX_FAMILIES or neofix.patch(families=...))"
+        )
+    finally:
+        neofix.unpatch()
+        neofix.patch(families=neofix.FAMILIES)
+
+
+def test_environment_settings_applied_and_bad_values_named():
+    """What ``import neofix`` reads from NEOFIX_MODE, NEOFIX_CHECK_VALUES, NEOFIX_UNCACHED_POSITIONS (and NEOFIX_TRACE's
+    warning): any case,
+    spaces around; an empty choice counts as unset, an empty boolean as false; a value not understood is named
+    whole, with the default used, and changes nothing."""
+    from neofix import _config
+
+    settings = _config.settings
+
+    def current():
+        return settings.mode, settings.strict, settings.check_values, settings.uncached_positions
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", neofix.NeofixWarning)
+            _config.load_environment(
+                {"NEOFIX_MODE": " Strict ", "NEOFIX_CHECK_VALUES": "YES", "NEOFIX_UNCACHED_POSITIONS": "Transformers"}
+            )
+            assert current() == ("strict", True, True, "transformers")
+            _config.load_environment({"NEOFIX_MODE": "", "NEOFIX_UNCACHED_POSITIONS": "  "})
+            assert current() == ("strict", True, True, "transformers")
+            _config.load_environment({"NEOFIX_MODE": "repair", "NEOFIX_CHECK_VALUES": "", "NEOFIX_UNCACHED_POSITIONS": "mask"})
+            assert current() == ("repair", False, False, "mask")
+            _config.load_environment({"NEOFIX_CHECK_VALUES": " On "})
+            assert current() == ("repair", False, True, "mask")
+            _config.load_environment({"NEOFIX_CHECK_VALUES": "off"})
+            assert current() == ("repair", False, False, "mask")
+        with pytest.warns(neofix.NeofixWarning) as caught:
+            _config.load_environment(
+                {
+                    "NEOFIX_MODE": "lenient",
+                    "NEOFIX_CHECK_VALUES": "maybe",
+                    "NEOFIX_UNCACHED_POSITIONS": " vanilla",
+                    "NEOFIX_TRACE": "banana",
+                }
+            )
+        assert [str(warning.message) for warning in caught] == [
+            "NEOFIX_MODE='lenient' is not one of ('repair', 'strict'); using 'repair'",
+            "NEOFIX_CHECK_VALUES='maybe' is not a boolean (1/0, true/false); using 0",
+            "NEOFIX_UNCACHED_POSITIONS=' vanilla' is not one of ('mask', 'transformers'); using 'mask'",
+            "NEOFIX_TRACE='banana' is not a boolean (1/0, true/false); using 0",
+        ]
+        assert current() == ("repair", False, False, "mask") and settings.log_steps is False
+    finally:
+        neofix.configure(mode="repair", check_values=False, uncached_positions="mask")
+
+
+def test_settings_start_at_the_documented_defaults():
+    """Without NEOFIX_ variables neofix starts in repair mode, without value checks on decode steps, with uncached
+    positions from the mask and no step log."""
+    from neofix import _config
+
+    fresh = _config._Settings()
+    assert (fresh.mode, fresh.strict, fresh.check_values, fresh.uncached_positions, fresh.log_steps) == (
+        "repair", False, False, "mask", False
+    )
+    assert fresh.strict is False and fresh.check_values is False and fresh.log_steps is False
+
+
+def test_the_watcher_hands_the_first_lookup_of_a_waited_module_to_wrapt(tmp_path, monkeypatch):
+    """The finder ``import neofix`` places first in ``sys.meta_path``: the first lookup of a module it waits for
+    registers wrapt's post-import hook and answers with what wrapt's finder answers (the module's spec, loaded through
+    wrapt so that the hook runs), even with another finder between them; any other lookup, and a second one, it leaves
+    to the finders after it."""
+    import importlib.machinery
+    import uuid
+
+    name = f"neofix_watched_probe_{uuid.uuid4().hex}"  # a name wrapt has no hook for yet
+    (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    watcher = _lifecycle._ModuleWatcher([name, "neofix_other_probe"])
+    monkeypatch.setattr(sys, "meta_path", [watcher, importlib.machinery.PathFinder, *sys.meta_path])
+    assert watcher.find_spec("json") is None
+    spec = watcher.find_spec(name, None, None)
+    assert spec is not None and spec.name == name and spec.origin == str(tmp_path / f"{name}.py")
+    assert type(spec.loader).__module__.startswith("wrapt"), spec.loader
+    assert watcher.waiting == {"neofix_other_probe"}
+    assert watcher.find_spec(name) is None
+
+
+def test_register_reads_neofix_families_whole(registering, monkeypatch):
+    """``import neofix``: no NEOFIX_ variable, no warning and every family enabled; NEOFIX_FAMILIES naming a family
+    after others waits for that one alone; an unknown name is said whole and every family patched.  NEOFIX_DISABLE:
+    a loaded family's rows say neofix is not applied, one not loaded yet is pending."""
+    hidden, before = registering
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", neofix.NeofixWarning)
+        _lifecycle.register()
+    assert _lifecycle._enabled == frozenset(FAMILIES) and _lifecycle._applied.get("gpt_neo")
+    neofix.unpatch()
+    sys.meta_path[:] = before
+    monkeypatch.setattr(_lifecycle, "_hooks_enabled", True)
+    monkeypatch.setenv("NEOFIX_FAMILIES", "bloom")
+    _lifecycle.register()
+    assert _lifecycle._enabled == {"bloom"} and not _lifecycle.is_patched()
+    assert isinstance(sys.meta_path[0], _lifecycle._ModuleWatcher) and sys.meta_path[0].waiting == {hidden}
+    sys.meta_path[:] = before
+    monkeypatch.setattr(_lifecycle, "_enabled", frozenset(FAMILIES))
+    monkeypatch.setenv("NEOFIX_FAMILIES", "gpt_neo,nonsense")
+    with pytest.warns(neofix.NeofixWarning) as caught:
+        _lifecycle.register()
+    assert [str(warning.message) for warning in caught] == [
+        f"NEOFIX_FAMILIES='gpt_neo,nonsense': unknown model family ['nonsense']; choose from {sorted(FAMILIES)}; "
+        f"patching every family"
+    ]
+    assert _lifecycle._enabled == frozenset(FAMILIES)
+    neofix.unpatch()
+    sys.meta_path[:] = before
+    monkeypatch.setattr(_lifecycle, "_hooks_enabled", True)
+    monkeypatch.delenv("NEOFIX_FAMILIES")
+    monkeypatch.setenv("NEOFIX_DISABLE", "1")
+    _lifecycle.register()
+    rows = {name: (state, reason) for name, state, reason in _lifecycle.status()}
+    assert rows["GPTNeoModel.forward"] == ("unpatched", "neofix is not applied")
+    assert rows["BloomModel.forward"] == ("pending", "patched when transformers loads modeling_bloom")
+
+
+def test_the_hook_firing_again_changes_nothing():
+    """GPT-Neo's post-import hook running again while it is patched (a module re-imported) wraps nothing twice:
+    the same wrappers stay, and unpatch() still restores transformers exactly."""
+    patched_attributes = class_attributes()
+    neofix.unpatch()
+    vanilla = class_attributes()
+    neofix.patch()
+    _lifecycle._on_import(modeling_gpt_neo)
+    assert class_attributes() == patched_attributes
+    assert neofix.unpatch() is True
+    assert class_attributes() == vanilla
+
+
+def test_unpatched_refuses_whole_when_another_library_wrapped_over_neofix():
+    """``with neofix.unpatched():`` over another library's wrapper raises, with the whole reason, and leaves neofix
+    patched."""
+    import functools
+
+    cls = modeling_gpt_neo.GPTNeoModel
+    ours = vars(cls)["forward"]
+    cls.forward = functools.wraps(ours)(lambda self, *args, **kwargs: ours(self, *args, **kwargs))
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            with neofix.unpatched():
+                pass  # pragma: no cover
+        assert str(raised.value) == (
+            "neofix.unpatched(): neofix cannot be removed, because another library wrapped one of the attributes it "
+            "patched after it did (neofix.unpatch() says which)"
+        )
+        assert neofix.is_patched()
+    finally:
+        cls.forward = ours

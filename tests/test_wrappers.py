@@ -21,6 +21,7 @@ from neofix._families import gpt_neo
 from neofix.testing import reference_greedy, tiny_gpt_neo
 
 from ._versions import has, output_cache
+from .test_generate_limits import Forwards  # counts the model forwards run inside a block
 
 TABLE = 64
 
@@ -45,20 +46,6 @@ def never_generated(model, prompt, new):
     comes)."""
     fitting = model.generate(prompt, max_new_tokens=new, eos_token_id=None, do_sample=False, pad_token_id=0)
     return next(token for token in range(1, 96) if token not in fitting[0, prompt.shape[1]:].tolist())
-
-
-class Forwards:
-    """Counts the model forwards run inside the block."""
-
-    def __init__(self, model):
-        self.model, self.count = model, 0
-
-    def __enter__(self):
-        self.handle = self.model.transformer.register_forward_pre_hook(lambda *_: setattr(self, "count", self.count + 1))
-        return self
-
-    def __exit__(self, *_):
-        self.handle.remove()
 
 
 def overflow(model, prompt, **kwargs):

@@ -75,11 +75,11 @@ def step_unchanged(
     is, a single-token decode step that already keeps the contract.
 
     True for one new token per row after a cache every layer of which holds the same ``p > 0`` tokens of the same
-    rows, in keys of the model's heads and head width, with ``p + 1`` within the position table, no token types, a ``cache_position`` of one entry or none, and
-    either a 2D mask of ``p + 1`` columns with one position per row, or no mask (with one position per row or none:
-    transformers 5.x passes no mask for an unpadded batch).  ``model_positions``: the family leaves missing positions
-    to the model (``Policy.positions`` other than ``"absolute"``), so a mask of ``p + 1`` columns without positions
-    is unchanged too.
+    rows, in keys of the model's heads and head width, with ``p + 1`` within the position table, no token types, a
+    ``cache_position`` of one entry or none, and either a 2D mask of ``p + 1`` columns with one position per row, or
+    no mask (with one position per row or none: transformers 5.x passes no mask for an unpadded batch).
+    ``model_positions``: the family leaves missing positions to the model (``Policy.positions`` other than
+    ``"absolute"``), so a mask of ``p + 1`` columns without positions is unchanged too.
     """
     past, rows, lengths, _, heads, head_dim, _ = cache  # unpacked at once: cheaper than each field by name
     max_positions, _, _, model_heads, model_head_dim = limits

@@ -66,6 +66,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     listeners = _reports.listeners
     pending = _reports.pending
     right_padded = _RIGHT_PADDED
+    grown = _caches.grown_reader(read_cache)
 
     @functools.wraps(original)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -108,7 +109,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                             explain_overflow(exc, self.config, kwargs.get("attention_mask"),
                                              kwargs.get("position_ids"), cache.length)
                         raise
-            prefilled, past = plain_forward(first, shape, kwargs, layers, limits, adapter)
+            prefilled, past = plain_forward(first, shape, kwargs, layers, limits, adapter, grown)
             if prefilled is not None:
                 positions, _, _, padded_rows, repairs = prefilled
                 if not padded_rows and (positions is None or takes_positions):
@@ -120,7 +121,8 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                         _check_right_padding(kwargs)
                     if positions is not None:
                         kwargs["position_ids"] = positions
-                        _reports.warn_repairs(repairs)
+                        if not past:  # a chunk's repair has no message (warned at prefill)
+                            _reports.warn_repairs(repairs)
                     if listeners:
                         mask = kwargs.get("attention_mask")
                         _reports.emit(
@@ -216,7 +218,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
 
 
 def plain_forward(
-    input_ids: Any, shape: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any
+    input_ids: Any, shape: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any, grown: Any = None
 ) -> tuple[Any, int]:
     """The values of a forward given ``input_ids`` and a 2D mask (or none) and no positions, token types, embeddings
     or ``cache_position``: without a cache (the usual training, scoring and classification call, and a loop's first
@@ -226,7 +228,7 @@ def plain_forward(
     other call, and for any call ``align`` would refuse before reading a value (the general
     path aligns those, and says what is wrong).  Shapes are checked first, from the call's arguments alone.
     Positions are derived from a left-padded mask for the families that take absolute ones (``adapter.POSITIONS``),
-    as ``align`` derives them."""
+    as ``align`` derives them.  ``grown``: the family's :func:`~neofix._caches.grown_reader`, or ``None``."""
     if (
         kwargs.get("position_ids") is not None
         or kwargs.get("token_type_ids") is not None
@@ -248,14 +250,19 @@ def plain_forward(
         return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), 0
     if mask is None or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):  # the general path wraps such tuples
         return None, 0
-    view = adapter.read_cache(cache, layers)
-    past = view[0]  # length
+    # the usual growing cache, read and checked from its keys' shapes; else read whole, then checked below
+    past = 0 if grown is None else grown(cache, layers, shape[0], shape[1], limits)
+    view = None
+    if not past:
+        view = adapter.read_cache(cache, layers)
+        past = view[0]  # length
     mask_shape = mask.shape
     if not past or len(mask_shape) != 2 or mask_shape[0] != shape[0] or not shapes_fit(
         past, input_ids, shape, mask, mask_shape
     ):
         return None, 0
-    check_cache(view, shape[0], shape[1], limits)  # what align checks (and raises) before it reads a value
+    if view is not None:
+        check_cache(view, shape[0], shape[1], limits)  # what align checks (and raises) before it reads a value
     return read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive), past
 
 

@@ -28,6 +28,10 @@ FEATURES = {
         (4, 45),
         "up to 4.44 each GPT-Neo attention layer gets its own (key, value) pair; from 4.45 the whole Cache object",
     ),
+    "cache layer objects": (
+        (4, 56),
+        "transformers 4.56 made Cache objects hold one layer object (DynamicLayer) per layer; before, key lists",
+    ),
     "generate slices uncached tokens": (
         (4, 36),
         "before 4.36 GPT-Neo's prepare_inputs_for_generation fed only the last token when a cache was given",
@@ -103,6 +107,15 @@ DTYPE = torch.float64
 # -- the never-break paths (tests/test_never_break*.py): tracers, exporters and heads some releases lack ----------
 
 
+def _dynamic_layer():
+    """transformers' ``DynamicLayer`` class (4.56 and later), or ``None``."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return None
+    return DynamicLayer
+
+
 def _importable(*modules: str) -> bool:
     """Whether the modules are installed (found, not imported: collection stays fast)."""
     from importlib.util import find_spec
@@ -172,6 +185,7 @@ PROBES = {
     "transformers fx tracer": _hf_fx_traces_gpt_neo,
     "GPTNeoForQuestionAnswering": lambda: hasattr(transformers, "GPTNeoForQuestionAnswering"),
     "GPTNeoForTokenClassification": lambda: hasattr(transformers, "GPTNeoForTokenClassification"),
+    "cache layer objects": lambda: _dynamic_layer() is not None,
     "onnx": lambda: _importable("onnx"),
     "onnxscript": lambda: _importable("onnx", "onnxscript"),
     "onnxruntime": lambda: _importable("onnxruntime"),

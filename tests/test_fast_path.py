@@ -476,3 +476,162 @@ if given is not None:
         (fast_logits, fast_warnings, fast_steps), (logits, warned, steps) = outcomes
         torch.testing.assert_close(fast_logits, logits, rtol=0, atol=0, equal_nan=True)  # all-pad rows: NaN
         assert fast_warnings == warned and fast_steps == steps
+
+
+# -- a chunk's cache read from its keys' shapes (transformers 4.56 and later) ---------------------------------------
+
+from neofix import _caches  # noqa: E402
+from neofix._core import Limits  # noqa: E402
+from neofix._core._align import check_cache  # noqa: E402
+
+from ._versions import has, requires  # noqa: E402
+
+def _tiny_limits(max_positions):
+    """The tiny GPT-Neo's limits (4 layers of 4 heads of width 8), with a position table of ``max_positions``."""
+    return Limits(max_positions=max_positions, vocab_size=96, hidden_size=32, heads=4, head_dim=8)
+
+
+def _cache_layer(kind, shape):
+    """A cache layer as transformers builds it, its keys of ``shape`` (rows, heads, tokens, width) unless ``kind``
+    says otherwise: ``dynamic`` (written once), ``sliding`` (a sliding window of 4 tokens, which keeps the last 3 of
+    its keys yet counts every token), ``empty`` (nothing written yet), ``reset`` (written, then ``reset()``),
+    ``shorter`` (a token fewer), ``other heads`` (twice the heads of half the width), ``three dims`` (no width)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    rows, heads, tokens, width = shape
+    if kind == "shorter":
+        tokens = max(tokens - 1, 0)
+    if kind == "other heads":
+        heads, width = heads * 2, width // 2
+    layer = DynamicSlidingWindowLayer(sliding_window=4) if kind == "sliding" else DynamicLayer()
+    if kind != "empty":
+        keys = torch.zeros(rows, heads, tokens) if kind == "three dims" else torch.zeros(rows, heads, tokens, width)
+        layer.update(keys, keys.clone())
+    if kind == "reset":
+        layer.reset()
+    return layer
+
+
+def test_the_grown_reader_exists_from_transformers_4_56_and_for_the_common_layout_only():
+    reader = _caches.grown_reader(_caches.read)
+    assert (reader is not None) == has("cache layer objects")
+    assert _caches.grown_reader(lambda cache, layers: None) is None  # a family reading caches its own way (BLOOM)
+    if reader is not None:
+        from transformers.cache_utils import DynamicCache
+
+        assert reader(DynamicCache(), 0, 2, 1, _tiny_limits(64)) == 0  # no layers: nothing to tell
+        assert reader((), 4, 2, 1, _tiny_limits(64)) == 0  # a legacy cache: read whole
+
+
+if given is not None:
+    _LAYER_KINDS = ["dynamic", "sliding", "empty", "reset", "shorter", "other heads", "three dims"]
+
+    @requires("cache layer objects")
+    @given(
+        st.tuples(st.sampled_from([2, 1, 3, 0]), st.sampled_from([4, 8]), st.integers(0, 7), st.sampled_from([8, 4])),
+        st.one_of(  # the usual cache (4 or 5 layers), a sliding window's, or any layers
+            st.lists(st.just("dynamic"), min_size=4, max_size=5),
+            st.lists(st.sampled_from(["sliding", "three dims"]), min_size=4, max_size=4).map(lambda kinds: kinds[:1] * 4),
+            st.lists(st.sampled_from(_LAYER_KINDS), max_size=5),
+        ),
+        st.sampled_from([2, 1, 0]),
+        st.integers(1, 4),
+        st.sampled_from([None, 8, 9, 64]),
+    )
+    def test_the_grown_reader_takes_the_usual_cache_and_only_what_reading_it_whole_accepts(
+        shape, kinds, batch, new, max_positions
+    ):
+        """For a chunk of ``new`` tokens over ``batch`` rows of the tiny GPT-Neo (4 layers): ``grown`` returns the
+        cache's length exactly when every one of the first 4 layers is a DynamicLayer holding keys (transformers' own
+        ``get_seq_length`` says so), all of one shape of ``batch`` rows, 4 heads, width 8 and at least one token, and
+        that many tokens plus ``new`` fit the position table; and whatever it returns is what :func:`_caches.read`
+        then :func:`check_cache` find (0: the caller reads the cache whole, and that says what is wrong)."""
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        cache = DynamicCache()
+        cache.layers = [_cache_layer(kind, shape) for kind in kinds]
+        limits = _tiny_limits(max_positions)
+        past = _caches.grown_reader(_caches.read)(cache, 4, batch, new, limits)
+
+        first = cache.layers[:4]
+        holding = [type(layer) is DynamicLayer and layer.get_seq_length() > 0 for layer in first]
+        shapes = {tuple(layer.keys.shape) for layer, held in zip(first, holding) if held}
+        usual = len(first) == 4 and all(holding) and len(shapes) == 1
+        length = next(iter(shapes))[2] if usual else None
+        usual = usual and next(iter(shapes)) == (batch, 4, length, 8)
+        usual = usual and (max_positions is None or length + new <= max_positions)
+        assert past == (length if usual else 0)
+        if past:
+            view = _caches.read(cache, 4)
+            assert view.length == past and check_cache(view, batch, new, limits) == past + new
+
+
+@requires("cache layer objects")
+@pytest.mark.parametrize("new", [3, 5])  # a chunk that fits the table of 64 positions, and one that reaches it exactly
+def test_a_chunk_on_the_usual_cache_reads_the_keys_shapes_only(model, monkeypatch, new):
+    """A left-padded chunk after a growing cache takes the keys' shapes (the cache is not read whole, which asks each
+    layer its ``get_seq_length``), and gives the logits of the full recompute."""
+    ids, mask = left_padded_batch([64, 61])  # 64 positions: the whole table
+    past = 64 - 5
+    with torch.no_grad():
+        cache = output_cache(model(input_ids=ids[:, :past], attention_mask=mask[:, :past], use_cache=True))
+        expected = model(input_ids=ids[:, : past + new], attention_mask=mask[:, : past + new],
+                         position_ids=reference_positions(mask[:, : past + new])).logits[:, past:]
+
+        def unread(*args, **kwargs):
+            raise AssertionError("the cache was read whole")
+
+        monkeypatch.setattr(_caches, "_read_layers", unread)
+        logits = model(input_ids=ids[:, past : past + new], attention_mask=mask[:, : past + new],
+                       **{cache_keyword(): cache}).logits
+    torch.testing.assert_close(logits, expected)
+
+
+def _uneven_layers(cache):
+    cache.layers[2].keys = cache.layers[2].keys[..., :-1, :]  # layer 2 a token short
+    return cache
+
+
+def _other_heads(cache):
+    for layer in cache.layers:
+        layer.keys = layer.keys.reshape(2, 8, -1, 4)  # the same numbers as 8 heads of width 4
+    return cache
+
+
+def _more_rows(cache):
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys, layer.keys[:1]])
+    return cache
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (_uneven_layers, neofix.CacheLengthError, "cache layer 2 holds 4 tokens, but layer 0 holds 5"),
+        (_other_heads, neofix.InputShapeError, "keys of 8 heads of width 4, but this model has 4 heads of width 8"),
+        (_more_rows, neofix.BatchMismatchError, "the cache holds 3 rows, but this step feeds 2"),
+        (None, neofix.SequenceTooLongError, "this step would reach sequence length 65"),
+    ],
+)
+def test_a_chunk_on_a_cache_that_does_not_fit_is_refused_by_name(model, change, error, words):
+    """What the chunk's fast reading of the cache declines (a layer of another length, another model's keys, other
+    rows, a chunk past the position table) reaches the reading that names it, on every release."""
+    ids, mask = left_padded_batch([8, 6])
+    past, new = (5, 3) if change is not None else (60, 5)
+    if change is None:
+        ids, mask = left_padded_batch([65, 63])
+    with torch.no_grad():
+        cache = output_cache(model(input_ids=ids[:, :past], attention_mask=mask[:, :past], use_cache=True))
+        if change is not None:
+            cache = change(cache) if has("cache layer objects") else _legacy_changed(cache, change)
+        with pytest.raises(error, match=words):
+            model(input_ids=ids[:, past : past + new], attention_mask=mask[:, : past + new], **{cache_keyword(): cache})
+
+
+def _legacy_changed(cache, change):
+    """``change`` made to a cache of a release before 4.56 (key lists, or tuples), through stand-in layer objects."""
+    from types import SimpleNamespace
+
+    stand_in = SimpleNamespace(layers=[SimpleNamespace(keys=keys) for keys, _ in legacy(cache)])
+    layers = tuple((layer.keys, layer.keys) for layer in change(stand_in).layers)
+    return layers if isinstance(cache, tuple) else as_cache_object(layers)

@@ -220,13 +220,24 @@ def read_prefill(
             return _UNCHANGED
         rows = mask.tolist()  # the one read
         width = len(rows[0]) if rows else 0
-        real = list(map(_count_ones, rows))
-        if sum(real) == width * len(rows):  # every token real: nothing else to learn
-            return _UNCHANGED
-        padding = _row_padding(rows, real, width)
-        if padding is None:
-            _raise_mask_value_error(mask)
-        left, after, right_padded = padding  # type: ignore[misc]
+        # The usual masks in one pass: each row all real tokens, or pads then real tokens (left padding)
+        left = after = False
+        right_padded: tuple[int, ...] = ()
+        for row in rows:
+            ones = row.count(1)
+            if ones == width:
+                continue
+            if not ones or row.count(0) + ones != width or row.index(1) != width - ones:
+                # a row of pads only, a pad after a real token, or a value neither 0 nor 1: searched row by row
+                padding = _row_padding(rows, list(map(_count_ones, rows)), width)
+                if padding is None:
+                    _raise_mask_value_error(mask)
+                left, after, right_padded = padding  # type: ignore[misc]
+                break
+            left = True
+        else:
+            if not left:  # every token real: nothing else to learn
+                return _UNCHANGED
     else:
         batch = input_ids.shape[0]
         if mask is None:
@@ -265,7 +276,8 @@ def read_prefill(
     # has no column before its first: ``cumsum - mask`` (a fresh tensor, changed in place).  A chunk: the cumsum's
     # columns from the last cached one, a view.
     counted = mask.cumsum(-1)
-    positions = counted.narrow(-1, past - 1, input_ids.shape[-1]) if past else counted.sub_(mask)
+    # (a slice: Python's basic indexing costs half of ``narrow`` right after a forward; the mask is past + new wide)
+    positions = counted[:, past - 1 : -1] if past else counted.sub_(mask)
     return _new(Settled, (positions, True, None, right_padded, (derived,)))
 
 

@@ -313,7 +313,7 @@ def test_prefill_reads_agree_on_the_cpu_and_accelerator_paths(model, name, bad_i
 
 
 try:
-    from hypothesis import given
+    from hypothesis import example, given
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover
     given = None
@@ -538,6 +538,13 @@ if given is not None:
         st.integers(1, 4),
         st.sampled_from([None, 8, 9, 64]),
     )
+    @example((2, 4, 5, 8), ["dynamic"] * 4, 2, 3, 64)  # the usual cache
+    @example((1, 4, 5, 8), ["dynamic"] * 5, 1, 3, None)  # more layers than the model's, no position table
+    @example((2, 4, 5, 8), ["dynamic"] * 4, 2, 3, 8)  # 5 + 3 tokens: the whole table
+    @example((2, 4, 5, 8), ["dynamic"] * 4, 2, 4, 8)  # 5 + 4: one past it
+    @example((2, 4, 5, 8), ["dynamic"] * 3, 2, 3, 64)  # a layer short
+    @example((2, 4, 5, 8), ["dynamic", "dynamic", "shorter", "dynamic"], 2, 3, 64)
+    @example((2, 4, 5, 8), ["sliding"] * 4, 2, 3, 64)  # keeps 3 keys, counts 5 tokens
     def test_the_grown_reader_takes_the_usual_cache_and_only_what_reading_it_whole_accepts(
         shape, kinds, batch, new, max_positions
     ):

@@ -642,3 +642,39 @@ def _legacy_changed(cache, change):
     stand_in = SimpleNamespace(layers=[SimpleNamespace(keys=keys) for keys, _ in legacy(cache)])
     layers = tuple((layer.keys, layer.keys) for layer in change(stand_in).layers)
     return layers if isinstance(cache, tuple) else as_cache_object(layers)
+
+
+@pytest.mark.parametrize(
+    "rows, searched",
+    [
+        ([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]], False),  # unpadded
+        ([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], False),  # left-padded
+        ([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], True),  # right-padded
+        ([[0, 1, 1, 1, 1], [0, 0, 0, 0, 0]], True),  # a row of pads only
+        ([[0, 1, 0, 1, 1], [1, 1, 1, 1, 1]], True),  # a gap
+    ],
+)
+@pytest.mark.parametrize("past", [0, 2])
+def test_usual_masks_are_read_in_one_pass_without_the_row_by_row_search(model, monkeypatch, rows, searched, past):
+    """On the CPU a mask whose every row is real tokens, or pads then real tokens, is settled by one pass over its
+    rows; any other mask is searched row by row (``_row_padding``), and both give what that search gives."""
+    calls = []
+    search = _values._row_padding
+
+    def spy(*args):
+        calls.append(args)
+        return search(*args)
+
+    monkeypatch.setattr(_values, "_row_padding", spy)
+    mask = torch.tensor(rows)
+    ids = torch.arange(1, 1 + mask.numel()).view(mask.shape)[:, past:] % 90 + 1
+    settled = _values.read_prefill(ids, mask, gpt_neo.limits(model.config), past=past)
+    assert bool(calls) == searched
+    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", False)  # the torch operations of accelerators: no search
+    expected = _values.read_prefill(ids, mask, gpt_neo.limits(model.config), past=past)
+    assert settled.right_padded == expected.right_padded and [r.kind for r in settled.repairs] == [
+        r.kind for r in expected.repairs
+    ]
+    assert (settled.positions is None) == (expected.positions is None)
+    if settled.positions is not None:
+        assert torch.equal(settled.positions, expected.positions)

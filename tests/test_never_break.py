@@ -544,3 +544,35 @@ def test_forward_and_generate_log_nothing_new(model):
     patched, plain = both(run)
     assert_ran(patched, plain)
     assert_adds_nothing(patched, plain)
+
+
+# -- a batch of no rows ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+@pytest.mark.parametrize("inputs", ["ids", "ids and mask", "ids, mask and positions"])
+def test_a_batch_of_no_rows_runs_or_fails_as_vanilla(path, inputs, monkeypatch):
+    """``input_ids`` of shape (0, 5): transformers computes logits of no rows (5.x), or refuses it itself (4.26
+    builds the mask from a batch size it wants > 0); neofix, which has no value to read, changes neither (a
+    reduction over no rows used to raise ``IndexError`` on the accelerator path and wherever positions were
+    given)."""
+    from neofix._core import _values
+
+    model = fresh()
+    call = {"input_ids": torch.zeros((0, 5), dtype=torch.long)}
+    if inputs != "ids":
+        call["attention_mask"] = torch.ones((0, 5), dtype=torch.long)
+    if inputs == "ids, mask and positions":
+        call["position_ids"] = torch.zeros((0, 5), dtype=torch.long)
+    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path == "cpu")
+
+    def run():
+        with torch.no_grad():
+            return model(**call)
+
+    patched, plain = both(run)
+    if plain.error is not None:  # vanilla's own refusal, unchanged
+        assert type(patched.error) is type(plain.error) and str(patched.error) == str(plain.error)
+        return
+    assert_identical(patched, plain)
+    assert patched.result.logits.shape == (0, 5, 96)

@@ -301,3 +301,32 @@ def test_a_decode_step_positions_from_the_mask_keep_transformers_own_for_a_finis
     assert _decode_positions(mask, 3, torch.tensor([[7], [7], [7]])).tolist() == [[3], [2], [3]]
     assert _decode_positions(mask, None, None).tolist() == [[2], [2], [0]]
     assert _decode_positions(mask, None, torch.tensor([7])).tolist() == [[7], [2], [7]]
+
+
+@pytest.mark.parametrize("path", ["fast", "general", "accelerator"])
+def test_a_batch_of_left_and_right_padded_rows_keeps_each_as_it_computes_alone(path, monkeypatch):
+    """A prefill batching a left-padded row with a right-padded one: the left-padded row's real tokens get the
+    mask's positions (said once, naming row 0), and the right-padded row keeps transformers' positions, its pads'
+    too, so that its every logit is vanilla's bit for bit; the same on the forward's fast path, on the general path
+    and on the path accelerators take."""
+    from neofix import _wrappers
+    from neofix._core import _values
+
+    model = tiny_gpt_neo(dtype=torch.float32)
+    ids = torch.tensor([[0, 0, 11, 12, 13, 14], [21, 22, 23, 0, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    if path == "general":
+        monkeypatch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0))
+    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path != "accelerator")
+    with torch.no_grad():
+        with neofix.unpatched():
+            vanilla = model(input_ids=ids, attention_mask=mask).logits
+            alone = model(input_ids=ids[:1, 2:]).logits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            logits = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(logits[1], vanilla[1])  # the right-padded row, pads included
+    torch.testing.assert_close(logits[0, 2:], alone[0])  # the left-padded row's real tokens, as the row alone
+    assert not torch.allclose(vanilla[0, 2:], alone[0])  # (which vanilla's positions, counting the pads, are not)
+    warned = said(caught)
+    assert len(warned) == 1 and warned[0].startswith("neofix: row 0 of this forward is left-padded")

@@ -240,6 +240,8 @@ def read_prefill(
                 return _UNCHANGED
     else:
         batch = input_ids.shape[0]
+        if not batch:  # no rows: nothing to read (a reduction over nothing raises), nothing to derive
+            return _UNCHANGED
         if mask is None:
             values = torch.stack(torch.aminmax(input_ids)).tolist()  # the one read
             if not (0 <= values[0] and values[1] < limits.vocab_size):
@@ -414,6 +416,10 @@ class _Reads:
 def _read_once(step: _Step, compare: bool, repairs: list[Repair], derive: bool = True) -> Settled:
     """Every value check of a step that may read (a prefill, a multi-token step, or one asked to read), in one read."""
     input_ids, token_types, positions, given, mask, new, past, cache_position, limits, policy = step
+    if any(tensor is not None and not tensor.numel() for tensor in (input_ids, token_types, positions, mask)):
+        # a batch of no rows (a step of no new tokens was refused before): no value to check, none to derive, and a
+        # reduction over nothing raises; transformers runs (or refuses) it as it is
+        return Settled(positions, False, None, ())
     reads = _Reads()
     if input_ids is not None:
         reads.min_max("ids", input_ids)

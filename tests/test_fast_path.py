@@ -678,3 +678,19 @@ def test_usual_masks_are_read_in_one_pass_without_the_row_by_row_search(model, m
     assert (settled.positions is None) == (expected.positions is None)
     if settled.positions is not None:
         assert torch.equal(settled.positions, expected.positions)
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_a_decode_step_on_a_cache_of_fewer_heads_of_the_same_width_is_refused(model, with_mask):
+    """The usual decode step (the fast path) on a cache holding 2 of the model's 4 heads, each of the model's width
+    8: refused by name before the model runs, as a cache of other heads and another width is
+    (``tests/test_families.py``)."""
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    cache = prefill(model, ids, torch.ones_like(ids))
+    halved = tuple((keys[:, :2], values[:, :2]) for keys, values in legacy(cache))
+    step = {"input_ids": torch.tensor([[9], [10]]), cache_keyword(): halved if isinstance(cache, tuple) else as_cache_object(halved)}
+    if with_mask:
+        step["attention_mask"] = torch.ones(2, 5, dtype=torch.long)
+    with torch.no_grad(), pytest.raises(neofix.InputShapeError) as caught:
+        model(**step)
+    assert str(caught.value).startswith("the cache holds keys of 2 heads of width 8, but this model has 4 heads of width 8")

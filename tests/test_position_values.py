@@ -303,12 +303,12 @@ def test_a_decode_step_positions_from_the_mask_keep_transformers_own_for_a_finis
     assert _decode_positions(mask, None, torch.tensor([7])).tolist() == [[7], [2], [7]]
 
 
-@pytest.mark.parametrize("path", ["fast", "general", "accelerator"])
+@pytest.mark.parametrize("path", ["fast", "general", "accelerator", "bool mask"])
 def test_a_batch_of_left_and_right_padded_rows_keeps_each_as_it_computes_alone(path, monkeypatch):
     """A prefill batching a left-padded row with a right-padded one: the left-padded row's real tokens get the
     mask's positions (said once, naming row 0), and the right-padded row keeps transformers' positions, its pads'
-    too, so that its every logit is vanilla's bit for bit; the same on the forward's fast path, on the general path
-    and on the path accelerators take."""
+    too, so that its every logit is vanilla's bit for bit; the same on the forward's fast path, on the general path,
+    on the path accelerators take, and for a bool mask (read by the general path's torch operations)."""
     from neofix import _wrappers
     from neofix._core import _values
 
@@ -318,6 +318,8 @@ def test_a_batch_of_left_and_right_padded_rows_keeps_each_as_it_computes_alone(p
     if path == "general":
         monkeypatch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0))
     monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path != "accelerator")
+    if path == "bool mask":
+        mask = mask.bool()
     with torch.no_grad():
         with neofix.unpatched():
             vanilla = model(input_ids=ids, attention_mask=mask).logits
@@ -330,3 +332,29 @@ def test_a_batch_of_left_and_right_padded_rows_keeps_each_as_it_computes_alone(p
     assert not torch.allclose(vanilla[0, 2:], alone[0])  # (which vanilla's positions, counting the pads, are not)
     warned = said(caught)
     assert len(warned) == 1 and warned[0].startswith("neofix: row 0 of this forward is left-padded")
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.bool, torch.float32])
+def test_an_unpadded_or_right_padded_prefill_is_vanilla_for_any_mask_dtype(dtype):
+    """Masks of ints, bools or 0./1. floats without left padding: the logits are vanilla's bit for bit, and nothing
+    is said (the general path reads bool and float masks with torch operations)."""
+    model = tiny_gpt_neo(dtype=torch.float32)
+    ids = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]).to(dtype)
+    with torch.no_grad():
+        with neofix.unpatched():
+            vanilla = model(input_ids=ids, attention_mask=mask).logits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            logits = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(logits, vanilla)
+    assert said(caught) == []
+
+
+def test_a_float_mask_of_other_values_is_refused():
+    """A float mask holding a value other than 0 and 1 (an additive mask, or weights) is refused by name, as an
+    integer one is."""
+    model = tiny_gpt_neo(dtype=torch.float32)
+    mask = torch.tensor([[1.0, 1.0, 0.5], [1.0, 1.0, 1.0]])
+    with torch.no_grad(), pytest.raises(neofix.MaskValueError):
+        model(input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]), attention_mask=mask)

@@ -545,6 +545,10 @@ if given is not None:
     @example((2, 4, 5, 8), ["dynamic"] * 3, 2, 3, 64)  # a layer short
     @example((2, 4, 5, 8), ["dynamic", "dynamic", "shorter", "dynamic"], 2, 3, 64)
     @example((2, 4, 5, 8), ["sliding"] * 4, 2, 3, 64)  # keeps 3 keys, counts 5 tokens
+    @example((2, 8, 5, 8), ["dynamic"] * 4, 2, 3, 64)  # other heads, of the model's width
+    @example((2, 4, 5, 4), ["dynamic"] * 4, 2, 3, 64)  # the model's heads, of another width
+    @example((3, 4, 5, 8), ["dynamic"] * 4, 2, 3, 64)  # other rows
+    @example((2, 4, 5, 8), ["three dims"] * 4, 2, 3, 64)
     def test_the_grown_reader_takes_the_usual_cache_and_only_what_reading_it_whole_accepts(
         shape, kinds, batch, new, max_positions
     ):

@@ -393,14 +393,21 @@ def align_positions(
             f"(transformers' own, counting left padding, or the mask's), which stale positions do not tell: "
             f"{FIX_POSITIONS}"
         )
+    derived = mask_2d or past is None or kind == "mask"
+    instead = (
+        "derived them from the attention mask instead"
+        if derived
+        else f"gave them the positions after the cache instead, {past} to {total - 1} (without a 2D mask every token is "
+        f"real)"  # type: ignore[operator]
+    )
     repairs.append(
         Repair(
             POSITIONS_REDERIVED,
-            f"neofix: {described}; derived them from the attention mask instead (stale prompt positions?). To fix "
-            f"your loop: {FIX_POSITIONS}. Reported once.",
+            f"neofix: {described}; {instead} (stale prompt positions?). To fix your loop: {FIX_POSITIONS}. Reported "
+            f"once.",
         )
     )
-    if mask_2d or past is None or kind == "mask":
+    if derived:
         return None, False
     # no 2D mask: every token is real, so positions simply continue after the cache
     return torch.arange(past, total, device=first.device).unsqueeze(0), False  # type: ignore[arg-type]

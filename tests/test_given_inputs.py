@@ -1,0 +1,175 @@
+"""Positions and token types the caller gives: the shape rules of ``align`` (one row for every row, the dtypes refused,
+positions of the cached plus new tokens, positions of a stale length, token types of the new or of every token).
+
+Each outcome is compared with what the same call computes given the new tokens' values in the usual shape (or with
+the full recompute), and with vanilla transformers where vanilla runs the call.  Float32 throughout: transformers 4.36
+- 4.44 cannot run float64 GPT-Neo unpatched.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import neofix
+from neofix.testing import reference_logits, tiny_gpt_neo
+
+from ._versions import cache_keyword, output_cache
+from .loops import left_padded_batch
+
+
+@pytest.fixture(scope="module")
+def model32():
+    return tiny_gpt_neo(seed=0, dtype=torch.float32)
+
+
+def ids_of(batch, width, seed=0):
+    return torch.randint(1, 90, (batch, width), generator=torch.Generator().manual_seed(seed))
+
+
+def forward(model, **kwargs):
+    with torch.no_grad():
+        return model(**kwargs)
+
+
+def cached(model, ids, mask):
+    """A fresh cache of the prompt (a forward grows the cache it is given: each call needs its own)."""
+    return output_cache(forward(model, input_ids=ids, attention_mask=mask, use_cache=True))
+
+
+def said(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
+
+
+def run(model, **kwargs):
+    """(logits, warnings said, the step's trace record)."""
+    with neofix.trace(model) as steps, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = forward(model, **kwargs).logits
+    assert len(steps) == 1
+    return logits, said(caught), steps[0]
+
+
+# -- one row of positions for every row ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_row_of_positions_given_as_1d_is_every_rows_positions(model32, batch):
+    """1D position_ids of a prefill of 4 tokens (transformers broadcasts them over the batch): as the same positions
+    given per row, and as vanilla computes them; the batch is neither 2 nor the number of columns."""
+    ids = ids_of(batch, 4)
+    mask = torch.ones_like(ids)
+    flat, words, _ = run(model32, input_ids=ids, attention_mask=mask, position_ids=torch.arange(4))
+    rows, _, _ = run(model32, input_ids=ids, attention_mask=mask, position_ids=torch.arange(4).expand(batch, 4))
+    with neofix.unpatched():
+        vanilla = forward(model32, input_ids=ids, attention_mask=mask, position_ids=torch.arange(4)).logits
+    assert torch.equal(flat, rows)
+    assert torch.equal(flat, vanilla)
+    assert words == []
+
+
+def test_one_row_of_positions_given_as_1d_on_a_decode_step(model32):
+    ids = ids_of(3, 5)
+    mask = torch.ones(3, 6, dtype=torch.long)
+    step = {"input_ids": ids_of(3, 1, seed=1), "attention_mask": mask}
+    keyword = cache_keyword(model32)
+    flat, words, record = run(model32, **step, position_ids=torch.tensor([5]), **{keyword: cached(model32, ids, mask[:, :5])})
+    rows, _, _ = run(model32, **step, position_ids=torch.tensor([[5]] * 3), **{keyword: cached(model32, ids, mask[:, :5])})
+    assert torch.equal(flat, rows)
+    assert torch.allclose(flat[:, -1], reference_logits(model32, torch.cat((ids, step["input_ids"]), 1), mask)[:, -1],
+                          atol=1e-5)
+    assert (words, record.repairs) == ([], ())
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool, torch.float16])
+def test_positions_that_are_not_integers_are_refused(model32, dtype):
+    ids = ids_of(2, 4)
+    positions = torch.arange(4).expand(2, 4).to(dtype)
+    with pytest.raises(neofix.PositionError) as raised:
+        forward(model32, input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions)
+    message = str(raised.value)
+    assert f"position_ids has dtype {dtype}" in message
+    assert "positions are integers" in message and "pass torch.long positions" in message
+
+
+# -- positions of the cached plus new tokens, and of a stale length --------------------------------------------------
+
+
+def test_positions_of_the_cached_and_new_tokens_are_sliced_silently(model32):
+    """A decode step given the positions of all 6 tokens: the new token's are used, nothing is said, and the trace
+    names the adjustment; positions that disagree with the mask there are still compared (and repaired)."""
+    ids, mask = left_padded_batch([5, 3], vocab=90)
+    full = torch.cat((mask, torch.ones(2, 1, dtype=torch.long)), 1)
+    step = {"input_ids": ids_of(2, 1, seed=2), "attention_mask": full}
+    keyword = cache_keyword(model32)
+    right = (full.cumsum(-1) - 1).clamp(min=0)
+    sliced, words, record = run(model32, **step, position_ids=right, **{keyword: cached(model32, ids, mask)})
+    alone, _, _ = run(model32, **step, position_ids=right[:, -1:], **{keyword: cached(model32, ids, mask)})
+    assert torch.equal(sliced, alone)
+    assert words == []
+    assert record.repairs == ("positions_sliced",)
+    # arange over the padded row's columns (the loop forgot the padding): compared after the slice, and repaired
+    counted = torch.arange(6).expand(2, 6)
+    repaired, words, record = run(model32, **step, position_ids=counted, **{keyword: cached(model32, ids, mask)})
+    assert torch.equal(repaired, alone)
+    assert record.repairs == ("positions_sliced",)  # a decode step's value repair is reported from the device
+    assert len(words) == 1 and "position_ids[1, 0] is 5" in words[0]
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_positions_of_a_stale_length_are_derived_again_and_said(model32, with_mask):
+    """Positions of the prompt's 5 columns given again at a decode step (a loop that forgot to update them): with a
+    left-padded mask they are derived from it, without one they continue after the cache; said once, by name."""
+    if with_mask:
+        ids, mask = left_padded_batch([5, 3], vocab=90)
+        full = torch.cat((mask, torch.ones(2, 1, dtype=torch.long)), 1)
+    else:
+        ids, mask, full = ids_of(2, 5), None, None
+    stale = torch.arange(5).expand(2, 5)
+    step = {"input_ids": ids_of(2, 1, seed=3), "attention_mask": full}
+    keyword = cache_keyword(model32)
+    logits, words, record = run(model32, **step, position_ids=stale, **{keyword: cached(model32, ids, mask)})
+    truth = torch.tensor([[5], [3]]) if with_mask else torch.tensor([[5], [5]])
+    expected, _, _ = run(model32, **step, position_ids=truth, **{keyword: cached(model32, ids, mask)})
+    assert torch.equal(logits, expected)
+    assert record.repairs == (("positions_rederived", "positions_derived") if with_mask else ("positions_rederived",))
+    assert len(words) == 1
+    instead = (
+        "derived them from the attention mask instead"
+        if with_mask
+        else "gave them the positions after the cache instead, 5 to 5 (without a 2D mask every token is real)"
+    )
+    assert words == [
+        f"neofix: position_ids has 5 columns, but this step feeds 1 new token (the cache holds 5); {instead} (stale "
+        f"prompt positions?). To fix your loop: pass only the new tokens' positions, or none at all and neofix derives "
+        f"them from the mask. Reported once."
+    ]
+
+
+# -- token types -----------------------------------------------------------------------------------------------------
+
+
+def test_token_types_of_the_new_tokens_are_used_as_given(model32):
+    """GPT-Neo adds the token-type embedding (its token embedding) of ``token_type_ids``: a prefill and a decode step
+    given them compute what vanilla computes, and types of every token at the step are sliced to the new token's."""
+    ids = ids_of(2, 5)
+    types = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    mask = torch.ones(2, 6, dtype=torch.long)
+    prefill, words, _ = run(model32, input_ids=ids, attention_mask=mask[:, :5], token_type_ids=types)
+    with neofix.unpatched():
+        vanilla = forward(model32, input_ids=ids, attention_mask=mask[:, :5], token_type_ids=types).logits
+    assert torch.equal(prefill, vanilla) and words == []
+    keyword = cache_keyword(model32)
+    step = {"input_ids": ids_of(2, 1, seed=4), "attention_mask": mask}
+    new, words, record = run(model32, **step, token_type_ids=torch.tensor([[1], [0]]),
+                             **{keyword: cached(model32, ids, mask[:, :5])})
+    with neofix.unpatched():
+        vanilla = forward(model32, **step, token_type_ids=torch.tensor([[1], [0]]),
+                          **{keyword: cached(model32, ids, mask[:, :5])}).logits
+    assert torch.equal(new, vanilla) and words == []
+    assert record.repairs == ("positions_derived",)  # none given: the mask's (silent on a decode step)
+    every = torch.cat((types, torch.tensor([[1], [0]])), 1)
+    sliced, words, record = run(model32, **step, token_type_ids=every, **{keyword: cached(model32, ids, mask[:, :5])})
+    assert torch.equal(sliced, new) and words == [] and record.repairs == ("token_type_ids_sliced", "positions_derived")

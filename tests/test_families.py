@@ -27,6 +27,7 @@ import neofix
 from neofix._families import FAMILIES
 from neofix.testing import FAMILY_CONFIGS, _takes_positions, reference_greedy, tiny_config, tiny_model
 
+from ._sync import HostReads
 from ._versions import cache_keyword, legacy, output_cache, requires
 from .loops import decode, left_padded_batch
 
@@ -143,6 +144,37 @@ def test_stale_positions(lm, adapter):
         assert isinstance(tokens, torch.Tensor), tokens
         assert torch.equal(tokens, reference(lm, ids, mask))
         assert any("derived them from the attention mask instead" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("mask_mode", ["synced", "stale"])
+def test_decode_steps_read_no_value_by_default(lm, mask_mode):
+    """A default decode step reads no value off the device (on an accelerator, each read waits for the device):
+    neither the usual step nor one whose stale mask is extended on the general path, for every family."""
+    ids, mask = left_padded_batch([5, 3])
+    keyword = cache_keyword(lm)
+    full = mask
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", neofix.NeofixWarning)
+        out = lm(input_ids=ids, attention_mask=mask, use_cache=True)
+        for _ in range(3):
+            full = torch.cat((full, torch.ones(2, 1, dtype=torch.long)), 1)
+            step = {"input_ids": out.logits[:, -1:].argmax(-1), "attention_mask": full if mask_mode == "synced" else mask}
+            with HostReads() as reads:
+                out = lm(**step, use_cache=True, **{keyword: output_cache(out)})
+            assert reads.by_neofix == [], reads.by_neofix
+
+
+def test_given_positions_that_count_the_padding_are_repaired(lm, adapter):
+    """Positions that count the left padding (arange over the padded width, the classic batched-generation bug)
+    given to a family whose positions index a table (learned, or OPT's from the mask): compared with the mask's at
+    every step, repaired, and said; the tokens are the reference's."""
+    if adapter.POSITIONS not in ("absolute", "mask") or not _takes_positions(lm):
+        pytest.skip(f"{type(lm).__name__} on this release: positions are {adapter.POSITIONS}, or not taken")
+    ids, mask = left_padded_batch([6, 3])
+    tokens, messages = run(lambda: decode(lm, ids, mask, STEPS, positions="arange"))
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, reference(lm, ids, mask))
+    assert any("position_ids[1, 0] is 6" in m for m in messages), messages
 
 
 def test_past_the_position_table(lm, lm32, adapter):

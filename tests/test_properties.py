@@ -241,6 +241,7 @@ def contract(case: LoopCase, max_positions: int) -> Expected:
 _WARNING_KINDS = {
     "extended it with ones on the right": "mask",
     "derived them from the attention mask instead": "positions",
+    "gave them the positions after the cache instead": "positions",  # a step without a mask
     "used the mask's positions": "values",
     "used positions continuing after the cache": "values",  # a step without a mask
     "left-padded and no position_ids were given": "derived",

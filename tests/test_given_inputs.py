@@ -16,6 +16,7 @@ import torch
 import neofix
 from neofix.testing import reference_logits, tiny_gpt_neo
 
+from ._sync import HostReads
 from ._versions import cache_keyword, output_cache
 from .loops import left_padded_batch
 
@@ -173,3 +174,85 @@ def test_token_types_of_the_new_tokens_are_used_as_given(model32):
     every = torch.cat((types, torch.tensor([[1], [0]])), 1)
     sliced, words, record = run(model32, **step, token_type_ids=every, **{keyword: cached(model32, ids, mask[:, :5])})
     assert torch.equal(sliced, new) and words == [] and record.repairs == ("token_type_ids_sliced", "positions_derived")
+
+
+# -- the bounds of valid values --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_the_smallest_and_largest_valid_values_are_accepted_where_values_are_read(model32, path, monkeypatch):
+    """Token id 0 and vocab_size - 1, token type 0 and vocab_size - 1, position 0 and max_position_embeddings - 1:
+    valid, on the prefill and the decode step of a run that reads every value (``check_values=True``), on the CPU's
+    reads and on the path accelerators take; the logits are vanilla's, and the step reads as often as one of values
+    inside the bounds (a value at a bound taken for one outside would be searched for, one more read, and found
+    valid)."""
+    from neofix._core import _values
+
+    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path == "cpu")
+    neofix.configure(check_values=True)
+    vocab, table = model32.config.vocab_size, model32.config.max_position_embeddings
+    ids = torch.tensor([[0, 5, vocab - 1], [vocab - 1, 0, 7]])
+    mask = torch.ones(2, 4, dtype=torch.long)
+    prefills = [
+        {},
+        {"token_type_ids": torch.tensor([[0, vocab - 1, 3], [1, 0, vocab - 1]])},
+        {"position_ids": torch.tensor([[0, 1, table - 1], [table - 1, 0, 1]])},  # packed documents: left as given
+    ]
+    inside = {"input_ids": ids.clamp(1, vocab - 2), "token_type_ids": 1, "position_ids": 1}
+    for extra in prefills:
+        with HostReads() as reads:
+            patched, words, _ = run(model32, input_ids=ids, attention_mask=mask[:, :3], **extra)
+        with neofix.unpatched():
+            vanilla = forward(model32, input_ids=ids, attention_mask=mask[:, :3], **extra).logits
+        assert torch.equal(patched, vanilla), extra
+        assert words == [], (extra, words)
+        within = {name: value.clamp(inside[name], bound - 2) for name, value in extra.items()
+                  for bound in [table if name == "position_ids" else vocab]}
+        with HostReads() as usual:
+            run(model32, input_ids=inside["input_ids"], attention_mask=mask[:, :3], **within)
+        assert len(reads.by_neofix) == len(usual.by_neofix), (extra, reads.by_neofix, usual.by_neofix)
+    with HostReads() as reads:  # no mask: the token ids alone are read
+        patched, words, _ = run(model32, input_ids=ids)
+    with neofix.unpatched():
+        vanilla = forward(model32, input_ids=ids).logits
+    with HostReads() as usual:
+        run(model32, input_ids=inside["input_ids"])
+    assert torch.equal(patched, vanilla) and words == []
+    assert len(reads.by_neofix) == len(usual.by_neofix), (reads.by_neofix, usual.by_neofix)
+    keyword = cache_keyword(model32)
+    step = {"attention_mask": mask, "position_ids": torch.tensor([[3], [3]])}
+    at_bounds = {"input_ids": torch.tensor([[0], [vocab - 1]]), "token_type_ids": torch.tensor([[vocab - 1], [0]])}
+    with HostReads() as reads:
+        patched, words, _ = run(model32, **step, **at_bounds, **{keyword: cached(model32, ids, mask[:, :3])})
+    with neofix.unpatched():
+        vanilla = forward(model32, **step, **at_bounds, **{keyword: cached(model32, ids, mask[:, :3])}).logits
+    assert torch.equal(patched, vanilla)
+    assert words == []
+    within = {name: value.clamp(1, vocab - 2) for name, value in at_bounds.items()}
+    with HostReads() as usual:
+        run(model32, **step, **within, **{keyword: cached(model32, ids, mask[:, :3])})
+    assert len(reads.by_neofix) == len(usual.by_neofix), (reads.by_neofix, usual.by_neofix)
+
+
+def test_a_cache_position_of_another_length_is_left_out_and_said(model32):
+    """``cache_position`` of the cached plus new tokens at a decode step (transformers' own is the new tokens' slots):
+    left out, so that the model computes it from the cache, and said; strict mode refuses it."""
+    import inspect
+
+    if "cache_position" not in inspect.signature(type(model32.transformer).forward).parameters:
+        pytest.skip("GPT-Neo takes no cache_position on this release")
+    ids = ids_of(2, 5)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    keyword = cache_keyword(model32)
+    step = {"input_ids": ids_of(2, 1, seed=5), "attention_mask": mask}
+    given, words, record = run(model32, **step, cache_position=torch.arange(6), **{keyword: cached(model32, ids, mask[:, :5])})
+    alone, _, _ = run(model32, **step, **{keyword: cached(model32, ids, mask[:, :5])})
+    assert torch.equal(given, alone)
+    assert words == [
+        "neofix: cache_position has 6 entries, but this step feeds 1 new token; left it out. Reported once."
+    ]
+    assert "cache_position_dropped" in record.repairs
+    neofix.configure(mode="strict")
+    with pytest.raises(neofix.PositionError, match=r"cache_position has 6 entries, but this step feeds 1 new token: "
+                                                   r"pass cache_position for the new tokens only, or leave it out"):
+        forward(model32, **step, cache_position=torch.arange(6), **{keyword: cached(model32, ids, mask[:, :5])})

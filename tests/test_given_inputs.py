@@ -256,3 +256,33 @@ def test_a_cache_position_of_another_length_is_left_out_and_said(model32):
     with pytest.raises(neofix.PositionError, match=r"cache_position has 6 entries, but this step feeds 1 new token: "
                                                    r"pass cache_position for the new tokens only, or leave it out"):
         forward(model32, **step, cache_position=torch.arange(6), **{keyword: cached(model32, ids, mask[:, :5])})
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_wrong_positions_read_at_a_cached_step_are_repaired_and_said(model32, with_mask):
+    """With ``check_values=True`` a decode step's given positions are read and compared on the host: row 1's,
+    one short of the truth, are repaired (with a mask, to the mask's; without one, to the positions after the
+    cache), said by name, and named in the trace."""
+    neofix.configure(check_values=True)
+    ids = ids_of(2, 5)
+    mask = torch.ones(2, 6, dtype=torch.long) if with_mask else None
+    keyword = cache_keyword(model32)
+    step = {"input_ids": ids_of(2, 1, seed=6), "attention_mask": mask}
+    prompt_mask = None if mask is None else mask[:, :5]
+    logits, words, record = run(model32, **step, position_ids=torch.tensor([[5], [4]]),
+                                **{keyword: cached(model32, ids, prompt_mask)})
+    right, _, _ = run(model32, **step, position_ids=torch.tensor([[5], [5]]), **{keyword: cached(model32, ids, prompt_mask)})
+    assert torch.equal(logits, right)
+    assert record.repairs == ("position_values_repaired",)
+    truth = (
+        "the attention mask puts that real token of row 1 at position 5"
+        if with_mask
+        else "with no attention mask every token is real, so that token is at position 5"
+    )
+    used = "used the mask's positions" if with_mask else "used positions continuing after the cache"
+    assert words == [
+        f"neofix: position_ids[1, 0] is 4 at the step after 5 cached tokens, but {truth} (arange over a left-padded "
+        f"batch, or a loop that does not increment its positions?); {used}. To fix your loop: positions must advance "
+        f"by one per real token: derive them from the attention mask ((mask.cumsum(-1) - 1).clamp(min=0)), or pass "
+        f"none and neofix derives them. Reported once."
+    ]

@@ -115,12 +115,12 @@ def test_left_padded_custom_positions_are_left_as_given(model):
 # -- right padding at the start of decoding -------------------------------------------------------------------------
 
 
-def right_padded_loop(model, steps=3, chunk=1, positions=False):
+def right_padded_loop(model, steps=3, chunk=1, positions=False, pads=2):
     """A prompt batch right-padded (as GPT-2 / GPT-Neo tokenizers pad by default), decoded by hand (``chunk``
     tokens per forward: more than one is a chunk after the cache, which takes the chunk path; ``positions``: the
-    prompt comes with its positions, which takes the general path)."""
-    ids = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 0, 0]])
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    prompt comes with its positions, which takes the general path; ``pads``: row 1's pads, 1 or 2)."""
+    ids = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 24, 0] if pads == 1 else [21, 22, 23, 0, 0]])
+    mask = (ids != 0).long()
     given = {"position_ids": reference_positions(mask)} if positions else {}
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True, **given)
@@ -133,11 +133,11 @@ def right_padded_loop(model, steps=3, chunk=1, positions=False):
     return out
 
 
-@pytest.mark.parametrize("chunk, positions", [(1, False), (2, False), (1, True)])
-def test_right_padding_is_said_when_decoding_starts(model, chunk, positions):
+@pytest.mark.parametrize("chunk, positions, pads", [(1, False, 2), (2, False, 2), (1, True, 2), (1, False, 1), (1, True, 1)])
+def test_right_padding_is_said_when_decoding_starts(model, chunk, positions, pads):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        right_padded_loop(model, chunk=chunk, positions=positions)
+        right_padded_loop(model, chunk=chunk, positions=positions, pads=pads)
     messages = said(caught)
     assert len(messages) == 1, messages
     assert "decoding continues from a cache whose prompt had right padding in row 1" in messages[0]
@@ -358,3 +358,100 @@ def test_a_float_mask_of_other_values_is_refused():
     mask = torch.tensor([[1.0, 1.0, 0.5], [1.0, 1.0, 1.0]])
     with torch.no_grad(), pytest.raises(neofix.MaskValueError):
         model(input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]), attention_mask=mask)
+
+
+# -- which path reads the values: the forward's fast path, the general path (align), the path accelerators take ------
+
+
+def on_path(path, monkeypatch):
+    from neofix import _wrappers
+    from neofix._core import _values
+
+    if path == "general":
+        monkeypatch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0))
+    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path != "accelerator")
+
+
+PATHS = ["fast", "general", "accelerator", "bool mask"]  # a bool mask is read by the general path's torch reads
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_uncached_positions_transformers_keeps_transformers_own_positions_without_a_cache(path, monkeypatch):
+    """``configure(uncached_positions="transformers")``: a left-padded forward without a cache is vanilla's bit for
+    bit, and nothing is said; a chunk after a cache still gets the mask's positions (the setting is for forwards
+    without a cache)."""
+    on_path(path, monkeypatch)
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32)
+    ids, mask = left_padded_batch([6, 3])
+    if path == "bool mask":
+        mask = mask.bool()
+    neofix.configure(uncached_positions="transformers")
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patched = model(input_ids=ids, attention_mask=mask).logits
+        with neofix.unpatched():
+            vanilla = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(patched, vanilla)
+    assert said(caught) == []
+    chunks = []
+    for setting in ("transformers", "mask"):
+        neofix.configure(uncached_positions="mask")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", neofix.NeofixWarning)
+            cache = output_cache(model(input_ids=ids[:, :4], attention_mask=mask[:, :4].long(), use_cache=True))
+            neofix.configure(uncached_positions=setting)
+            chunks.append(model(input_ids=ids[:, 4:], attention_mask=mask, **{cache_keyword(): cache}).logits)
+    assert torch.equal(*chunks)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_left_padded_prompt_of_two_tokens_gets_the_masks_positions(path, monkeypatch):
+    """The narrowest left padding, one pad then one real token: the real token computes what it computes alone."""
+    on_path(path, monkeypatch)
+    model = tiny_gpt_neo(seed=0, dtype=torch.float64)  # (float32 rounds the masked column's share differently)
+    ids = torch.tensor([[31, 32], [0, 33]])
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mask = (ids != 0) if path == "bool mask" else (ids != 0).long()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        alone = model(input_ids=ids[1:, 1:]).logits
+    torch.testing.assert_close(logits[1, 1], alone[0, 0])
+    if not has("float64 mask bug"):  # (vanilla 4.36 - 4.44 cannot run float64 GPT-Neo)
+        with torch.no_grad(), neofix.unpatched():
+            vanilla = model(input_ids=ids, attention_mask=(ids != 0).long()).logits
+        assert not torch.allclose(vanilla[1, 1], alone[0, 0])  # vanilla's position 1 for it computes otherwise
+    assert len(said(caught)) == 1 and said(caught)[0].startswith("neofix: row 1 of this forward is left-padded")
+
+
+@pytest.mark.parametrize("path", ["general", "accelerator"])
+def test_counted_padding_is_repaired_in_its_row_only(path, monkeypatch):
+    """A batch of two left-padded rows given positions: row 0's count its padding (arange), row 1's are a custom
+    scheme (the mask's plus 2).  Row 0's are repaired, so it computes what it computes alone; row 1's are left as
+    given, vanilla's bit for bit."""
+    on_path(path, monkeypatch)
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32)
+    ids, mask = left_padded_batch([4, 5], width=6)
+    positions = torch.stack((torch.arange(6), reference_positions(mask)[1] + 2))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        alone = model(input_ids=ids[:1, 2:]).logits
+        with neofix.unpatched():
+            vanilla = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(logits[0, 2:], alone[0])
+    assert torch.equal(logits[1], vanilla[1])
+    messages = said(caught)
+    assert len(messages) == 1 and "row 0" in messages[0] and "row 1" not in messages[0], messages
+
+
+@pytest.mark.parametrize("positions", ["none", "correct", "frozen"])
+def test_a_float_mask_decodes_as_an_integer_mask(model, positions):
+    """A mask of 0. and 1. (some pipelines build one): the same tokens as with an integer mask, positions derived,
+    given or repaired."""
+    ids, mask = left_padded_batch([6, 3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", neofix.NeofixWarning)
+        floats = decode(model, ids, mask.to(model.dtype), STEPS, positions=positions)
+        ints = decode(model, ids, mask, STEPS, positions=positions)
+    assert torch.equal(floats, ints)
+    assert torch.equal(ints, reference(model, ids, mask))

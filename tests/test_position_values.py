@@ -455,3 +455,32 @@ def test_a_float_mask_decodes_as_an_integer_mask(model, positions):
         ints = decode(model, ids, mask, STEPS, positions=positions)
     assert torch.equal(floats, ints)
     assert torch.equal(ints, reference(model, ids, mask))
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.bool, torch.float32])
+def test_a_one_token_prompt_is_vanilla_for_any_mask_dtype(dtype):
+    """A prompt of one token (a mask of one column: no padding to read) computes what vanilla computes, silently."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32)
+    ids = torch.tensor([[31], [32]])
+    mask = torch.ones(2, 1, dtype=dtype)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with neofix.trace(model) as steps:
+            patched = model(input_ids=ids, attention_mask=mask).logits
+        with neofix.unpatched():
+            vanilla = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(patched, vanilla)
+    assert said(caught) == [] and steps[0].repairs == ()
+
+
+def test_a_bool_mask_prefill_and_chunk_name_the_derived_positions(model):
+    """Read by the general path's torch reads: a left-padded bool-mask prefill derives its positions (said once, and
+    named in the trace), and a chunk after it derives them silently (said at prefill), both named in the trace."""
+    ids, mask = left_padded_batch([6, 3])
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught, neofix.trace(model) as steps:
+        warnings.simplefilter("always")
+        out = model(input_ids=ids[:, :4], attention_mask=mask[:, :4].bool(), use_cache=True)
+        model(input_ids=ids[:, 4:], attention_mask=mask.bool(), **{cache_keyword(): output_cache(out)})
+    assert [step.repairs for step in steps] == [("positions_derived",), ("positions_derived",)]
+    messages = said(caught)
+    assert len(messages) == 1 and messages[0].startswith("neofix: row 1 of this forward is left-padded"), messages

@@ -286,3 +286,14 @@ def test_wrong_positions_read_at_a_cached_step_are_repaired_and_said(model32, wi
         f"by one per real token: derive them from the attention mask ((mask.cumsum(-1) - 1).clamp(min=0)), or pass "
         f"none and neofix derives them. Reported once."
     ]
+
+
+def test_a_forward_given_neither_ids_nor_embeddings_fails_as_vanilla(model32):
+    """Nothing to align: transformers' own error, unchanged."""
+    outcomes = []
+    for context in (neofix.patched, neofix.unpatched):
+        with context(), pytest.raises(ValueError) as raised:
+            forward(model32, attention_mask=torch.ones(2, 3, dtype=torch.long))
+        outcomes.append((type(raised.value), str(raised.value)))
+    assert outcomes[0] == outcomes[1]
+    assert not issubclass(outcomes[0][0], neofix.NeofixError)

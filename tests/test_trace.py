@@ -40,7 +40,8 @@ def test_one_entry_per_forward(model):
     assert (prefill.position_min, prefill.position_max) == (0, 5)
     assert prefill.last_positions == (5, 2, 4)
     assert prefill.real_tokens == (6, 3, 5)
-    assert (first.mask_length, first.position_min, first.position_max) == (7, 3, 6)
+    assert (first.mask_length_given, first.mask_length, first.position_min, first.position_max) == (7, 7, 3, 6)
+    assert (second.mask_length_given, second.mask_length) == (8, 8)  # the usual decode step: the fast path's record
     assert first.last_positions == (6, 3, 5)
     assert second.real_tokens == (8, 5, 7)
     assert all(step.patched for step in steps)
@@ -457,3 +458,11 @@ def test_log_steps_sets_info_only_where_no_level_was_chosen(logging_listener, mo
     monkeypatch.setattr(_trace._LOGGER, "level", logging.WARNING)
     logging_listener()
     assert _trace._LOGGER.level == logging.WARNING  # the user's choice stays
+
+
+def test_generate_decode_steps_record_the_mask_they_were_given(model):
+    """generate's decode steps (already aligned: the forward's fast path) record the mask's length as given."""
+    ids, mask = left_padded_batch([5, 3])
+    with neofix.trace(model) as steps:
+        generate(model, ids, mask, new=3)
+    assert [(s.new_tokens, s.mask_length_given, s.mask_length) for s in steps] == [(5, 5, 5), (1, 6, 6), (1, 7, 7)]

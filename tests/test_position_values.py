@@ -394,14 +394,16 @@ def test_uncached_positions_transformers_keeps_transformers_own_positions_withou
     assert torch.equal(patched, vanilla)
     assert said(caught) == []
     chunks = []
-    for setting in ("transformers", "mask"):
+    for setting in ("transformers", "mask", None):  # None: the mask's positions given, to compare with
         neofix.configure(uncached_positions="mask")
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", neofix.NeofixWarning)
             cache = output_cache(model(input_ids=ids[:, :4], attention_mask=mask[:, :4].long(), use_cache=True))
-            neofix.configure(uncached_positions=setting)
-            chunks.append(model(input_ids=ids[:, 4:], attention_mask=mask, **{cache_keyword(): cache}).logits)
-    assert torch.equal(*chunks)
+            neofix.configure(uncached_positions=setting or "mask")
+            given = {} if setting else {"position_ids": reference_positions(mask.long())[:, 4:]}
+            chunks.append(model(input_ids=ids[:, 4:], attention_mask=mask, **given, **{cache_keyword(): cache}).logits)
+    assert torch.equal(chunks[0], chunks[1])
+    torch.testing.assert_close(chunks[0], chunks[2])  # the mask's positions, given
 
 
 @pytest.mark.parametrize("path", PATHS)

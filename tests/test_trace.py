@@ -41,7 +41,7 @@ def test_one_entry_per_forward(model):
     assert prefill.last_positions == (5, 2, 4)
     assert prefill.real_tokens == (6, 3, 5)
     assert (first.mask_length_given, first.mask_length, first.position_min, first.position_max) == (7, 7, 3, 6)
-    assert (second.mask_length_given, second.mask_length) == (8, 8)  # the usual decode step: the fast path's record
+    assert (second.mask_length_given, second.mask_length) == (8, 8)  # the mask as given, already covering the cache
     assert first.last_positions == (6, 3, 5)
     assert second.real_tokens == (8, 5, 7)
     assert all(step.patched for step in steps)

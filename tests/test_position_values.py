@@ -303,21 +303,31 @@ def test_a_decode_step_positions_from_the_mask_keep_transformers_own_for_a_finis
     assert _decode_positions(mask, None, torch.tensor([7])).tolist() == [[7], [2], [7]]
 
 
-@pytest.mark.parametrize("path", ["fast", "general", "accelerator", "bool mask"])
+# -- which path reads the values: the forward's fast path, the general path (align), the path accelerators take ------
+
+
+def on_path(path, monkeypatch):
+    from neofix import _wrappers
+    from neofix._core import _values
+
+    if path == "general":
+        monkeypatch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0))
+    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path != "accelerator")
+
+
+PATHS = ["fast", "general", "accelerator", "bool mask"]  # a bool mask is read by the general path's torch reads
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_a_batch_of_left_and_right_padded_rows_keeps_each_as_it_computes_alone(path, monkeypatch):
     """A prefill batching a left-padded row with a right-padded one: the left-padded row's real tokens get the
     mask's positions (said once, naming row 0), and the right-padded row keeps transformers' positions, its pads'
     too, so that its every logit is vanilla's bit for bit; the same on the forward's fast path, on the general path,
     on the path accelerators take, and for a bool mask (read by the general path's torch operations)."""
-    from neofix import _wrappers
-    from neofix._core import _values
-
     model = tiny_gpt_neo(dtype=torch.float32)
     ids = torch.tensor([[0, 0, 11, 12, 13, 14], [21, 22, 23, 0, 0, 0]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
-    if path == "general":
-        monkeypatch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0))
-    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path != "accelerator")
+    on_path(path, monkeypatch)
     if path == "bool mask":
         mask = mask.bool()
     with torch.no_grad():
@@ -358,21 +368,6 @@ def test_a_float_mask_of_other_values_is_refused():
     mask = torch.tensor([[1.0, 1.0, 0.5], [1.0, 1.0, 1.0]])
     with torch.no_grad(), pytest.raises(neofix.MaskValueError):
         model(input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]), attention_mask=mask)
-
-
-# -- which path reads the values: the forward's fast path, the general path (align), the path accelerators take ------
-
-
-def on_path(path, monkeypatch):
-    from neofix import _wrappers
-    from neofix._core import _values
-
-    if path == "general":
-        monkeypatch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0))
-    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path != "accelerator")
-
-
-PATHS = ["fast", "general", "accelerator", "bool mask"]  # a bool mask is read by the general path's torch reads
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -79,8 +79,10 @@ def test_one_row_of_positions_given_as_1d_on_a_decode_step(model32):
     flat, words, record = run(model32, **step, position_ids=torch.tensor([5]), **{keyword: cached(model32, ids, mask[:, :5])})
     rows, _, _ = run(model32, **step, position_ids=torch.tensor([[5]] * 3), **{keyword: cached(model32, ids, mask[:, :5])})
     assert torch.equal(flat, rows)
-    assert torch.allclose(flat[:, -1], reference_logits(model32, torch.cat((ids, step["input_ids"]), 1), mask)[:, -1],
-                          atol=1e-5)
+    expected = reference_logits(model32, torch.cat((ids, step["input_ids"]), 1), mask)[:, -1]
+    assert torch.equal(flat[:, -1].argmax(-1), expected.argmax(-1))
+    # float32 logits of about 200: a cached step and the full recompute round differently on some CPUs
+    torch.testing.assert_close(flat[:, -1], expected, rtol=1e-4, atol=1e-3)
     assert (words, record.repairs) == ([], ())
 
 

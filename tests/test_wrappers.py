@@ -16,7 +16,7 @@ import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import neofix
-from neofix import _errors, _wrappers
+from neofix import _compat, _errors, _wrappers
 from neofix._families import gpt_neo
 from neofix.testing import reference_greedy, tiny_gpt_neo
 
@@ -362,3 +362,91 @@ def test_transformers_positions_are_kept_where_configured(model):
         plain = model(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(patched, plain)
     assert [w for w in caught if issubclass(w.category, neofix.NeofixWarning)] == []
+
+
+# -- what the model forward and generate pass through unread ----------------------------------------------------------
+
+
+def outcome(call):
+    """``("ok", result)`` or ``(error type, message)``: what a call does, for comparing with vanilla."""
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return "ok", call()
+    except Exception as exc:  # noqa: BLE001 - any outcome is compared with vanilla's
+        return type(exc), str(exc)
+
+
+@pytest.mark.parametrize("call", ["head", "base model"])
+def test_one_dimensional_input_ids_run_as_vanilla_runs_them(model, call):
+    """transformers up to 4.44 reads 1D ``input_ids`` as one row (4.26 completes the forward, 4.40 fails with an
+    ``IndexError``); neofix passes them through unread, so the outcome is vanilla's, logits or error alike.  From
+    4.45 vanilla fails inside the model (``The size of tensor a (4) must match ...``) and neofix says why instead."""
+    ids = torch.tensor([5, 6, 7, 8])
+    forward = (lambda: model(input_ids=ids).logits) if call == "head" else (lambda: model.transformer(ids)[0])
+    patched = outcome(forward)
+    with neofix.unpatched():
+        plain = outcome(forward)
+    if gpt_neo.FLAT_INPUT_IDS_ACCEPTED:
+        if plain[0] == "ok":
+            assert patched[0] == "ok" and torch.equal(patched[1], plain[1])
+        else:
+            assert patched == plain
+        if _compat.release() < (4, 27):
+            assert plain[0] == "ok"  # the path ran: vanilla's logits, compared above
+    else:
+        assert patched == (
+            neofix.InputShapeError,
+            "input_ids has shape (4,), but the model expects (batch, new_tokens): add the batch dimension "
+            "(input_ids[None]) or flatten extra ones",
+        )
+        assert plain[0] is RuntimeError
+
+
+def test_generate_without_a_prompt_starts_from_bos_as_vanilla(model):
+    """``generate()`` given no prompt at all starts from ``bos_token_id`` (token 0 here): neofix cannot measure a
+    prompt it does not see, and passes the call on; the tokens are vanilla's and the full recompute's.  (The pad is
+    not the bos here: generate would mask the one prompt token.)"""
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=95, eos_token_id=None)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patched = model.generate(**kwargs)
+        with neofix.unpatched():
+            plain = model.generate(**kwargs)
+    assert torch.equal(patched, plain)
+    assert torch.equal(patched, reference_greedy(model, torch.tensor([[0]]), max_new_tokens=4))
+
+
+# -- the causal-mask helpers of transformers 4.36 - 4.51, for float64 models -------------------------------------------
+
+HELPERS = ["_prepare_4d_causal_attention_mask", "_prepare_4d_causal_attention_mask_for_sdpa"]
+
+
+@pytest.mark.parametrize("widen", [False, True], ids=["float32 mask", "widened"])
+@pytest.mark.parametrize("helper", HELPERS)
+def test_a_float64_models_causal_mask_is_built_in_float32_and_widened_where_asked(helper, widen):
+    """The wrapped helper builds a float64 model's mask from float32 embeddings (vanilla fills a float32 tensor with
+    float64's minimum and overflows on 4.36 - 4.44): GPT-Neo and BLOOM get that float32 mask; GPT-2 and OPT, whose
+    scores are float64, get it widened to the float64 mask the helper meant, float32's minimum made float64's."""
+    utils = pytest.importorskip("transformers.modeling_attn_mask_utils", reason="helpers of transformers >= 4.36")
+    original = getattr(utils, helper)
+    wrapped = _wrappers.make_prepare_4d_mask_for_float64(original, None, widen=widen)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])  # left padding: the sdpa helper returns a mask, not None
+    embeds = torch.zeros(2, 4, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="cannot be converted to type float without overflow"):
+        original(mask, (2, 4), embeds, 0)  # what the wrapper is for (the helper is the same on 4.36 - 4.57)
+    built = wrapped(mask, (2, 4), embeds, 0)
+    as_float32 = original(mask, (2, 4), embeds.float(), 0)
+    assert as_float32.dtype == torch.float32
+    masked = as_float32 == torch.finfo(torch.float32).min
+    assert masked.any() and not masked.all()
+    if widen:
+        assert built.dtype == torch.float64
+        assert torch.equal(built == torch.finfo(torch.float64).min, masked)
+        assert torch.equal(built.masked_fill(masked, 0), as_float32.double().masked_fill(masked, 0))
+    else:
+        assert torch.equal(built, as_float32)
+    # by keyword, as some modules call it; and a float32 model's call is the helper's own
+    assert torch.equal(wrapped(attention_mask=mask, input_shape=(2, 4), inputs_embeds=embeds, past_key_values_length=0),
+                       built)
+    assert torch.equal(wrapped(mask, (2, 4), embeds.float(), 0), as_float32)

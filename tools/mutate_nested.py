@@ -5,7 +5,7 @@ functions get no mutants from it.  This plants mutmut's kinds of fault there, on
 and runs the tests against each (README, "Development: mutation testing").  Not a CI step: it takes an hour.
 
     python tools/mutate_nested.py list
-    python tools/mutate_nested.py run [--worker W --workers N] [--python PY] [TEST ARGS...]
+    python tools/mutate_nested.py run [--worker W --workers N] [--only 3,17] [--python PY] [TEST ARGS...]
 
 Operators: comparison flips (== !=, < <=, > >=, is / is not, in / not in), and <-> or, ``not x`` -> ``x``, an int
 ``n`` -> ``n + 1``, True <-> False, ``return X`` -> ``return None``.  A mutant is killed when the tests fail
@@ -108,6 +108,7 @@ def main() -> int:
     parser.add_argument("--worker", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--python", default=sys.executable, help="the interpreter of the environment to test in")
+    parser.add_argument("--only", default="", help="comma-separated mutant numbers (from `list`) to run, e.g. 90,91")
     options, tests = parser.parse_known_args()
     source = open(WRAPPERS).read()
     found = sites(ast.parse(source))
@@ -123,8 +124,9 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": copy, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [options.python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *(tests or DEFAULT_TESTS)]
     killed = survived = 0
+    only = {int(number) for number in options.only.split(",") if number.strip()}
     for index in range(len(found)):
-        if index % options.workers != options.worker:
+        if (only and index not in only) or index % options.workers != options.worker:
             continue
         mutant, what = mutated(source, index)
         with open(os.path.join(copy, "neofix", "_wrappers.py"), "w") as out:

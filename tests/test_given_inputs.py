@@ -299,3 +299,34 @@ def test_a_forward_given_neither_ids_nor_embeddings_fails_as_vanilla(model32):
         outcomes.append((type(raised.value), str(raised.value)))
     assert outcomes[0] == outcomes[1]
     assert not issubclass(outcomes[0][0], neofix.NeofixError)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.long])
+def test_a_one_token_prompt_of_embeddings_with_a_one_column_mask_runs_as_vanilla(model32, dtype):
+    """``inputs_embeds`` of one token and a mask of one column: the step's only value to read is whether a float
+    mask is 0/1 (no ids, no padding steps in one column), read alone; the logits are vanilla's.  A value other than
+    0 and 1 in that one column is refused by name (so the read took place)."""
+    embeds = model32.transformer.wte(ids_of(2, 1)).detach()
+    mask = torch.ones(2, 1, dtype=dtype)
+    patched, words, record = run(model32, inputs_embeds=embeds, attention_mask=mask)
+    with neofix.unpatched():
+        plain = forward(model32, inputs_embeds=embeds, attention_mask=mask).logits
+    assert torch.equal(patched, plain)
+    assert (words, record.repairs) == ([], ())
+    if dtype.is_floating_point:
+        with pytest.raises(neofix.MaskValueError, match="attention_mask"):
+            forward(model32, inputs_embeds=embeds, attention_mask=torch.tensor([[1.0], [0.5]]))
+
+
+def test_the_words_for_a_wrong_position_name_the_cache_only_where_its_length_is_known():
+    """A cache whose length cannot be told without reading the device (a static cache) gets no "after N cached
+    tokens" in the words for a wrong position; a known length is named."""
+    from neofix._core._values import describe_position
+
+    assert describe_position(1, 0, 3, 5, None, True) == (
+        "position_ids[1, 0] is 3, but the attention mask puts that real token of row 1 at position 5"
+    )
+    assert describe_position(0, 2, 9, 6, 4, False) == (
+        "position_ids[0, 2] is 9 at the step after 4 cached tokens, but with no attention mask every token is real, "
+        "so that token is at position 6"
+    )

@@ -481,3 +481,24 @@ def test_a_bool_mask_prefill_and_chunk_name_the_derived_positions(model):
     assert [step.repairs for step in steps] == [("positions_derived",), ("positions_derived",)]
     messages = said(caught)
     assert len(messages) == 1 and messages[0].startswith("neofix: row 1 of this forward is left-padded"), messages
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_chunks_derived_positions_are_silent_even_where_its_prefill_said_nothing(path, monkeypatch):
+    """A left-padded prompt fed as a prefill given the mask's positions (nothing to say), then a chunk given none:
+    the chunk's positions are derived from the mask without a word (a chunk continues the rows as they are; the
+    repair is said at a prefill only), and its logits are the full recompute's."""
+    on_path(path, monkeypatch)
+    model = tiny_gpt_neo(seed=0, dtype=torch.float64)
+    ids, mask = left_padded_batch([8, 5])
+    if path == "bool mask":
+        mask = mask.bool()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prompt = model(input_ids=ids[:, :5], attention_mask=mask[:, :5], position_ids=reference_positions(mask[:, :5]),
+                       use_cache=True)
+        chunk = model(input_ids=ids[:, 5:], attention_mask=mask, **{cache_keyword(): output_cache(prompt)}).logits
+        whole = model(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask)).logits[:, 5:]
+    assert said(caught) == []
+    assert torch.equal(chunk.argmax(-1), whole.argmax(-1))
+    torch.testing.assert_close(chunk, whole, rtol=1e-3, atol=1e-3)

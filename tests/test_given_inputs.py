@@ -1,5 +1,7 @@
 """Positions and token types the caller gives: the shape rules of ``align`` (one row for every row, the dtypes refused,
-positions of the cached plus new tokens, positions of a stale length, token types of the new or of every token).
+positions of the cached plus new tokens, positions of a stale length, token types of the new or of every token); and
+the other inputs' rules: token ids' dtypes, embeddings of no columns, masks of an ambiguous width, 4D masks, a masked
+new token, a step past the position table.
 
 Each outcome is compared with what the same call computes given the new tokens' values in the usual shape (or with
 the full recompute), and with vanilla transformers where vanilla runs the call.  Float32 throughout: transformers 4.36
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 import neofix
+from neofix import _compat
 from neofix.testing import reference_logits, tiny_gpt_neo
 
 from ._sync import HostReads
@@ -330,3 +333,145 @@ def test_the_words_for_a_wrong_position_name_the_cache_only_where_its_length_is_
         "position_ids[0, 2] is 9 at the step after 4 cached tokens, but with no attention mask every token is real, "
         "so that token is at position 6"
     )
+
+
+# -- the other inputs' rules ---------------------------------------------------------------------------------------
+
+
+def test_token_types_of_every_token_are_refused_in_strict_mode(model32):
+    """Repair mode slices token types of the cached plus new tokens (above); strict mode refuses them, by name."""
+    ids = ids_of(2, 7)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    neofix.configure(mode="strict")
+    with pytest.raises(neofix.InputShapeError) as raised:
+        forward(model32, input_ids=ids[:, 4:], attention_mask=mask, token_type_ids=torch.zeros_like(ids),
+                **{cache_keyword(model32): cached(model32, ids[:, :4], mask[:, :4])})
+    assert str(raised.value) == (
+        "token_type_ids has 7 columns, but this step feeds 3 new tokens: pass the new tokens' types only"
+    )
+
+
+@pytest.mark.parametrize("as_embeddings", [False, True], ids=["input_ids", "inputs_embeds"])
+def test_a_chunk_without_a_mask_given_stale_positions_continues_after_the_cache(model32, as_embeddings):
+    """Three new tokens after a 4-token cache, no mask, and positions of 5 columns (a stale prompt's): every token is
+    real, so the new ones get positions 4 to 6, said once; the logits are the full recompute's.  The same given the
+    tokens' embeddings."""
+    ids = ids_of(2, 7)
+    new = {"inputs_embeds": model32.transformer.wte(ids[:, 4:]).detach()} if as_embeddings else {"input_ids": ids[:, 4:]}
+    cache = output_cache(forward(model32, input_ids=ids[:, :4], use_cache=True))
+    logits, words, record = run(model32, **new, position_ids=torch.arange(5)[None], **{cache_keyword(model32): cache})
+    expected = reference_logits(model32, ids)[:, 4:]
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-3)
+    assert (record.position_min, record.position_max) == (4, 6)
+    assert words == [
+        "neofix: position_ids has 5 columns, but this step feeds 3 new tokens (the cache holds 4); gave them the "
+        "positions after the cache instead, 4 to 6 (without a 2D mask every token is real) (stale prompt positions?). "
+        "To fix your loop: pass only the new tokens' positions, or none at all and neofix derives them from the mask. "
+        "Reported once."
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64, torch.bool])
+def test_token_ids_that_are_not_integers_are_refused(model32, dtype):
+    with pytest.raises(neofix.TokenIdError) as raised:
+        forward(model32, input_ids=ids_of(2, 3).to(dtype))
+    assert str(raised.value) == (
+        f"input_ids has dtype {dtype}, but token ids are integers (indices into the vocabulary): pass the tokenizer's "
+        f"input_ids (torch.long)"
+    )
+
+
+def test_embeddings_of_no_tokens_are_refused_by_name(model32):
+    with pytest.raises(neofix.InputShapeError) as raised:
+        forward(model32, inputs_embeds=torch.zeros(2, 0, model32.config.hidden_size))
+    assert str(raised.value) == (
+        "this step feeds no new tokens (inputs_embeds has 0 columns, batch 2): every forward needs at least one token; "
+        "stop the loop instead"
+    )
+
+
+@pytest.mark.parametrize("fit", [1, 0])
+def test_a_step_past_the_position_table_says_how_many_tokens_still_fit(model32, fit):
+    """A cache of 63 or 64 tokens in a table of 64, and a step of 2 (a chunk, on the general path: its mask is not
+    long): the words count what still fits, 1 token or none."""
+    past = 64 - fit
+    cache = output_cache(forward(model32, input_ids=ids_of(1, past), use_cache=True))
+    with pytest.raises(neofix.SequenceTooLongError) as raised:
+        forward(model32, input_ids=ids_of(1, 2), attention_mask=torch.ones(1, past + 2, dtype=torch.bool),
+                **{cache_keyword(model32): cache})
+    fits = "1 more new token fits" if fit else "0 more new tokens fit"
+    assert str(raised.value) == (
+        f"this step would reach sequence length {past + 2} (the cache holds {past} tokens and the step feeds 2), but "
+        f"config.max_position_embeddings is 64: {fits}; shorten the prompt or generate fewer tokens"
+    )
+
+
+@pytest.mark.parametrize("columns", [3, 5])
+def test_a_mask_of_an_ambiguous_width_is_refused_with_the_fix(model32, columns):
+    """After 4 cached tokens, a 3-token step's mask of 3 columns (its own? or the first 3 cached tokens'?) or of 5
+    (the cache's and some of the new tokens'): which columns are which cannot be told, so nothing is guessed."""
+    ids = ids_of(2, 7)
+    cache = cached(model32, ids[:, :4], torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(neofix.MaskLengthError) as raised:
+        forward(model32, input_ids=ids[:, 4:], attention_mask=torch.ones(2, columns, dtype=torch.long),
+                **{cache_keyword(model32): cache})
+    covers = (
+        "as wide as this step's 3 new tokens, it may be their mask alone (a chunk's own mask), or the mask of the first "
+        "3 cached tokens not extended since"
+        if columns == 3
+        else "it covers the 4 cached tokens and only some of the 3 new tokens"
+    )
+    assert str(raised.value) == (
+        f"attention_mask has {columns} columns, but the cache holds 4 tokens and this step feeds 3: expected 7. It "
+        f"cannot be told which tokens it covers: {covers}. Pass the mask of exactly the cached plus the new tokens "
+        f"(torch.cat([mask_so_far, new_mask], -1))"
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["one row for all", "a row each"])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_a_4d_mask_of_the_cached_and_new_tokens_runs_as_vanilla(rows, dtype):
+    """The model's own 4D mask (one row per new token, a column per cached and new token) on a decode step of 3 rows,
+    given for every row or once for all: neofix checks its shape and passes it on, so the outcome is vanilla's: the
+    logits (and, a mask that hides nothing, the full recompute's) from 4.45, where every such mask runs; before,
+    vanilla's own logits or error (4.26 and 4.40 read masks of their own conventions, 4.40 wants one row each)."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32, attention_types=[[["global"], 4]])  # no window to mask
+    ids = ids_of(3, 6)
+    mask = torch.ones(rows, 1, 1, 6, dtype=torch.bool) if dtype == torch.bool else torch.zeros(rows, 1, 1, 6)
+    outcomes = []
+    for context in (neofix.patched, neofix.unpatched):
+        with context():
+            cache = output_cache(forward(model, input_ids=ids[:, :5], use_cache=True))
+            try:
+                outcomes.append(forward(model, input_ids=ids[:, 5:], attention_mask=mask,
+                                        **{cache_keyword(model): cache}).logits)
+            except (RuntimeError, ValueError) as exc:
+                outcomes.append((type(exc), str(exc)))
+    patched, plain = outcomes
+    if isinstance(plain, torch.Tensor):
+        assert torch.equal(patched, plain)
+    else:
+        assert patched == plain
+    if _compat.release() >= (4, 45):  # (before, a float 4D mask is read as 0/1: zeros hide every token)
+        assert isinstance(plain, torch.Tensor), plain
+        torch.testing.assert_close(patched, reference_logits(model, ids)[:, -1:], rtol=1e-4, atol=1e-3)
+
+
+def test_a_masked_new_token_keeps_the_position_transformers_gives_it(model32):
+    """A decode step whose new token is masked in row 0 (a hand-written loop's finished row), no positions given:
+    the masked token keeps transformers' position (the cache length), so row 0 computes exactly what it computes
+    unpatched; row 1, left-padded, gets the mask's position."""
+    ids, mask = left_padded_batch([5, 3])
+    step = torch.cat((mask, torch.tensor([[0], [1]])), 1)
+    new = ids_of(2, 1, seed=1)
+    outcomes = []
+    for context in (neofix.patched, neofix.unpatched):
+        with context(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cache = output_cache(forward(model32, input_ids=ids, attention_mask=mask, use_cache=True))
+            outcomes.append(forward(model32, input_ids=new, attention_mask=step, **{cache_keyword(model32): cache}))
+    patched, plain = (outcome.logits for outcome in outcomes)
+    assert torch.equal(patched[0], plain[0])
+    expected = reference_logits(model32, torch.cat((ids, new), 1)[1:], step[1:])[:, -1]
+    torch.testing.assert_close(patched[1:, -1], expected, rtol=1e-4, atol=1e-3)

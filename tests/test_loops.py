@@ -146,3 +146,17 @@ def test_inputs_embeds_prefill_then_ids(model):
             tokens.append(out.logits[:, -1:].argmax(-1))
     ids, mask = left_padded_batch([6, 3])
     assert torch.equal(torch.cat(tokens, -1), reference(model, ids, mask))
+
+
+@pytest.mark.parametrize("mask_mode", ["synced", "stale"])
+def test_a_model_of_one_layer_decodes_as_the_reference(mask_mode):
+    """A one-layer GPT-Neo (its cache holds a single layer): the loop's tokens are the full recompute's, with the mask
+    kept in step and with the prompt's mask kept (extended by neofix, the cache read whole to tell its length)."""
+    from neofix.testing import tiny_gpt_neo
+
+    model = tiny_gpt_neo(seed=0, dtype=torch.float64, num_layers=1)
+    ids, mask = left_padded_batch([6, 3, 5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = decode(model, ids, mask, STEPS, mask_mode=mask_mode, positions="correct")
+    assert torch.equal(got, reference(model, ids, mask))

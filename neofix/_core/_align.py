@@ -221,7 +221,7 @@ def check_cache(cache: CacheView, batch: int, new: int, limits: Limits) -> int |
         error = SequenceTooLongError(
             f"this step would reach sequence length {total} (the cache holds {past} tokens and the step "
             f"feeds {new}), but config.max_position_embeddings is {max_positions}: {fit} more new "
-            f"token{'s' if fit != 1 else ''} fit; shorten the prompt or generate fewer tokens"
+            f"token{' fits' if fit == 1 else 's fit'}; shorten the prompt or generate fewer tokens"
         )
         error.past, error.total, error.max_positions = past, total, max_positions
         raise error

@@ -21,7 +21,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import neofix
 from neofix.testing import reference_greedy, tiny_gpt_neo
 
-from ._versions import has, requires
+from ._versions import cache_keyword, has, requires
 
 PROMPT = 58  # of 64 positions: 7 new tokens fit (the last one generated is never fed back)
 
@@ -230,6 +230,65 @@ def test_static_cache_within_the_window_runs():
     patched, _ = outcome(model, static_generate(model))
     assert isinstance(patched, torch.Tensor), patched
     assert torch.equal(patched, reference_greedy(model, ids, mask, 10))
+
+
+def static_cache(model, prompt=None):
+    """A static cache of 16 slots for ``model``, filled with ``prompt`` (2 rows) where one is given."""
+    from transformers.cache_utils import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    if prompt is not None:
+        with torch.no_grad():
+            model(input_ids=prompt, **{cache_keyword(model): cache})
+    return cache
+
+
+@requires("static caches")
+@pytest.mark.parametrize("width", [5, 7, 16])
+def test_a_static_caches_4d_mask_needs_a_column_per_slot(width):
+    """A 4D mask given with a static cache spans its 16 slots (the keys do): with as many columns as the tokens so
+    far (5) or any other width, every release's attention fails on the shapes (``The size of tensor a (16) must
+    match the size of tensor b (5)``), so neofix refuses it by name; 16 columns run as vanilla runs them."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32, attention_types=[[["global"], 4]])
+    ids = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 1, 5, width, dtype=torch.bool).tril()
+    call = lambda: model(input_ids=ids, attention_mask=mask, **{cache_keyword(model): static_cache(model)}).logits
+    patched, plain = both(model, call)
+    if width == 16:
+        assert isinstance(plain[0], torch.Tensor) and torch.equal(patched[0], plain[0])
+        return
+    assert isinstance(plain[0], RuntimeError) and "must match the size of tensor b" in str(plain[0])
+    assert isinstance(patched[0], neofix.MaskLengthError)
+    assert str(patched[0]) == (
+        f"the 4D attention_mask has shape (2, 1, 5, {width}), but this step needs 5 rows (one per new token) and 16 "
+        f"(the static cache's slots) columns; or pass the 2D (batch, cached + new tokens) padding mask and let the "
+        f"model build the rest"
+    )
+
+
+@requires("static caches")
+def test_a_static_cache_of_other_rows_or_heads_is_refused_by_name():
+    """A static cache's rows and heads are read from its preallocated keys' shape: a step of 3 rows after a prompt
+    of 2, or a cache another model (2 heads of width 16) filled, is refused before transformers' ``index_copy_``
+    fails on the shapes."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32, attention_types=[[["global"], 4]])
+    other = tiny_gpt_neo(seed=0, dtype=torch.float32, attention_types=[[["global"], 4]], num_heads=2)
+    prompt = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(0))
+    keyword = cache_keyword(model)
+    with torch.no_grad(), pytest.raises(neofix.BatchMismatchError) as rows:
+        model(input_ids=torch.tensor([[1], [2], [3]]), attention_mask=torch.ones(3, 6, dtype=torch.long),
+              **{keyword: static_cache(model, prompt)})
+    assert str(rows.value) == (
+        "the cache holds 2 rows, but this step feeds 3: the cache, attention_mask and inputs must hold the same rows "
+        "(reorder or select the cache with the inputs, e.g. after beam search)"
+    )
+    with torch.no_grad(), pytest.raises(neofix.InputShapeError) as heads:
+        model(input_ids=prompt[:, :1], attention_mask=torch.ones(2, 6, dtype=torch.long),
+              **{keyword: static_cache(other, prompt)})
+    assert str(heads.value) == (
+        "the cache holds keys of 2 heads of width 16, but this model has 4 heads of width 8: the cache was built by "
+        "another model. Pass the cache this model returned, or none (the prompt is then encoded again)"
+    )
 
 
 def test_static_caches_are_probed_right():

@@ -300,8 +300,8 @@ def align_mask(
                 f"row per input row (or one for all)"
             )
         keys = mask.shape[-1]
-        if cache.capacity is not None:
-            fits = keys == cache.capacity or (total is not None and keys == total)
+        if cache.capacity is not None:  # the keys span every slot (a mask of the tokens so far runs on no release)
+            fits = keys == cache.capacity
             needs = f"{cache.capacity} (the static cache's slots)"
         else:
             fits = total is None or keys == total

@@ -677,3 +677,47 @@ def test_limits_are_the_models_own_sizes(lm32, adapter):
         return  # a legacy tuple cache (before 4.54): its layout differs by family (BLOOM folds heads into the batch)
     keys = cache.layers[0].keys
     assert (keys.shape[1], keys.shape[-1]) == (limits.heads, limits.head_dim)
+
+
+# -- the general path's value reads, for every kind of positions -----------------------------------------------------
+
+
+def test_a_mask_of_other_values_is_refused_on_every_path(family, lm32):
+    """A float mask holding 0.5 (weights, or an additive mask) is refused by name in every family, whether the family
+    takes absolute positions (checked with them) or makes its own (rotary, from the mask, none: read by the same
+    step), as a long mask holding 2 is."""
+    ids = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    for mask in (torch.tensor([[1.0, 1.0, 0.5], [1.0, 1.0, 1.0]]), torch.tensor([[1, 1, 2], [1, 1, 1]])):
+        result, _ = run(lambda: lm32(input_ids=ids, attention_mask=mask))
+        assert isinstance(result, neofix.MaskValueError), result
+
+
+def test_a_bool_mask_computes_what_the_same_long_mask_computes(family, lm32):
+    """A left-padded prompt given a bool mask (read by the general path's torch operations) and then a decode step:
+    the logits of each forward are those the same mask as integers gives (read on the fast path), whichever
+    positions the family takes (the mask's, or transformers' own for rotary and mask-derived ones)."""
+    ids, mask = left_padded_batch([5, 3])
+    outputs = []
+    for step_mask in (mask, mask.bool()):
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            prompt = lm32(input_ids=ids, attention_mask=step_mask, use_cache=True)
+            step = torch.cat((step_mask, step_mask.new_ones((2, 1))), 1)
+            decoded = lm32(input_ids=torch.tensor([[7], [8]]), attention_mask=step,
+                           **{cache_keyword(lm32): output_cache(prompt)})
+        outputs.append((prompt.logits, decoded.logits))
+    assert torch.equal(outputs[0][0], outputs[1][0])
+    assert torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_decoding_from_a_right_padded_bool_mask_prompt_is_an_error_in_strict_mode(family, lm32):
+    """The right padding of a prompt read by the general path (a bool mask) is followed to the decode step, which
+    strict mode refuses in every family."""
+    ids = torch.tensor([[11, 12, 13, 14], [21, 22, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]).bool()
+    neofix.configure(mode="strict")
+    with torch.no_grad():
+        cache = output_cache(lm32(input_ids=ids, attention_mask=mask, use_cache=True))
+        step = torch.cat((mask, mask.new_ones((2, 1))), 1)
+        with pytest.raises(neofix.MaskValueError, match="right padding in row 1"):
+            lm32(input_ids=torch.tensor([[7], [8]]), attention_mask=step, **{cache_keyword(lm32): cache})

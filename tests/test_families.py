@@ -721,3 +721,30 @@ def test_decoding_from_a_right_padded_bool_mask_prompt_is_an_error_in_strict_mod
         step = torch.cat((mask, mask.new_ones((2, 1))), 1)
         with pytest.raises(neofix.MaskValueError, match="right padding in row 1"):
             lm32(input_ids=torch.tensor([[7], [8]]), attention_mask=step, **{cache_keyword(lm32): cache})
+
+
+@pytest.mark.parametrize("name", [name for name in NAMES if name in ("gpt_neo", "gpt2", "opt")])
+def test_a_chunk_without_a_mask_given_stale_positions_is_told_the_positions_it_gets(name):
+    """Three new tokens after a 4-token cache, no mask, and a stale prompt's 5 positions, in the families that take
+    absolute positions or derive them from the mask (OPT, left to derive them from its mask of ones): the new tokens
+    get positions 4 to 6, and the words say so (there is no attention mask to derive them from); the tokens are the
+    full recompute's."""
+    available(name)
+    model = tiny_model(name, seed=0, dtype=torch.float64)
+    if not _takes_positions(model):
+        pytest.skip(f"{type(model).__name__} takes no position_ids on transformers {transformers.__version__}")
+    ids = torch.randint(1, 90, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = output_cache(model(input_ids=ids[:, :4], use_cache=True))
+    result, words = run(lambda: model(input_ids=ids[:, 4:], position_ids=torch.arange(5)[None],
+                                      **{cache_keyword(model): cache}).logits)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits[:, 4:]
+    assert torch.equal(result.argmax(-1), expected.argmax(-1))
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-3)
+    assert words == [
+        "neofix: position_ids has 5 columns, but this step feeds 3 new tokens (the cache holds 4); gave them the "
+        "positions after the cache instead, 4 to 6 (without a 2D mask every token is real) (stale prompt positions?). "
+        "To fix your loop: pass only the new tokens' positions, or none at all and neofix derives them from the mask. "
+        "Reported once."
+    ]

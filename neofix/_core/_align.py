@@ -393,10 +393,11 @@ def align_positions(
             f"(transformers' own, counting left padding, or the mask's), which stale positions do not tell: "
             f"{FIX_POSITIONS}"
         )
-    derived = mask_2d or past is None or kind == "mask"
+    from_mask = mask_2d or past is None
+    derived = from_mask or kind == "mask"  # (a family that derives positions from its mask: left to it)
     instead = (
         "derived them from the attention mask instead"
-        if derived
+        if from_mask
         else f"gave them the positions after the cache instead, {past} to {total - 1} (without a 2D mask every token is "
         f"real)"  # type: ignore[operator]
     )

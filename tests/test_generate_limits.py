@@ -291,6 +291,22 @@ def test_a_static_cache_of_other_rows_or_heads_is_refused_by_name():
     )
 
 
+@requires("static caches")
+def test_an_empty_static_cache_holds_no_tokens_so_a_wider_mask_is_refused():
+    """A static cache nothing was written to holds 0 tokens (known without reading the device): a 5-token prefill's
+    2D mask of 7 columns is then as ambiguous as after any cache, and refused (vanilla runs it on some reading of
+    the extra columns)."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32, attention_types=[[["global"], 4]])
+    ids = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), pytest.raises(neofix.MaskLengthError) as raised:
+        model(input_ids=ids, attention_mask=torch.ones(2, 7, dtype=torch.long),
+              **{cache_keyword(model): static_cache(model)})
+    assert str(raised.value) == (
+        "attention_mask has 7 columns, but the cache holds 0 tokens and this step feeds 5: expected 5. A longer mask is "
+        "ambiguous (which columns belong to the cache?): pass the mask of exactly the cached plus the new tokens"
+    )
+
+
 def test_static_caches_are_probed_right():
     """The feature flag above is not vacuous: GPT-Neo refuses static caches up to 4.53, runs them from 4.57 on."""
     from ._versions import TF_RELEASE

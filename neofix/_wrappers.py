@@ -480,7 +480,7 @@ def make_prepare_inputs_for_generation(original: Any, _adapter: Any) -> Callable
         inputs = original(self, *args, **kwargs)
         if not slices_uncached:
             inputs = _uncached_inputs(inputs, args, kwargs)
-        if isinstance(inputs, dict):
+        if isinstance(inputs, dict) and not _CALLER_POSITIONS.get():
             _trust(inputs.get("position_ids"))  # generate built them from the mask: decode steps compare nothing
         return inputs
 
@@ -523,6 +523,10 @@ def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
 # The generate call running in this context (this thread or task): (the model, its prompt length).  Set by the
 # generate wrapper, read by the stopping-criteria wrapper and by the overflow report.
 _GENERATING: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("neofix_generating", default=None)
+# Whether the generate call running in this context was given position_ids: generate then continues the caller's
+# positions (5.x adds one per step, 4.x repeats the last), which are not built from the mask, so its decode steps'
+# positions are compared with the mask's like any caller's (on the device, reported without blocking).
+_CALLER_POSITIONS: contextvars.ContextVar[bool] = contextvars.ContextVar("neofix_caller_positions", default=False)
 
 
 def make_generate(original: Any, _adapter: Any) -> Callable[..., Any]:
@@ -536,6 +540,13 @@ def make_generate(original: Any, _adapter: Any) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        given = _CALLER_POSITIONS.set(kwargs.get("position_ids") is not None)
+        try:
+            return _generate(self, args, kwargs)
+        finally:
+            _CALLER_POSITIONS.reset(given)
+
+    def _generate(self: Any, args: tuple, kwargs: dict) -> Any:
         length = _prompt_length(args, kwargs)
         if length is None:
             return original(self, *args, **kwargs)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import neofix
+from neofix import _compat
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 
 from ._vanilla import assert_vanilla
@@ -231,3 +232,36 @@ def test_patch_adds_no_transformers_warnings(model, batch, caplog):
     assert not [w for w in patched_warnings if w[0] == "NeofixWarning"]
     assert patched_warnings <= plain_warnings
     assert patched_logs <= plain_logs
+
+
+@pytest.mark.parametrize("positions", ["arange", "mask"])
+def test_generate_given_position_ids_decodes_as_the_reference(model, batch, positions):
+    """``generate(..., position_ids=...)``: generate continues the caller's positions (5.10 and later add one per
+    step; 5.0 and 4.57 repeat the last, 4.40 passes them whole, 4.26 drops them), so they are compared with the
+    mask's like any caller's, not trusted as positions generate built.  The tokens are the full recompute's on every
+    release.  An arange over the left-padded batch (the classic bug) is repaired at the prefill and at the decode
+    steps, where vanilla's tokens are wrong (or it fails); from 5.10 that is said twice, once each, and the mask's
+    own positions, which those releases continue correctly, are left alone without a word."""
+    ids, mask = batch
+    given = torch.arange(ids.shape[1]).expand_as(ids) if positions == "arange" else reference_positions(mask)
+    kwargs = dict(do_sample=False, min_new_tokens=NEW, position_ids=given)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patched = generate(model, ids, mask, **kwargs)
+    said = [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
+    expected = reference_greedy(model, ids, mask, NEW)
+    assert torch.equal(patched, expected)
+    if positions == "arange":
+        with neofix.unpatched():
+            try:
+                plain = generate(model, ids, mask, **kwargs)
+            except RuntimeError as exc:  # 4.40: the whole positions at a decode step
+                plain = exc
+        assert not isinstance(plain, torch.Tensor) or not torch.equal(plain, expected)
+    if _compat.release() >= (5, 10):
+        if positions == "mask":
+            assert said == []
+        else:
+            assert len(said) == 2, said
+            assert said[0].startswith("neofix: position_ids count the left padding of rows 1, 2")
+            assert said[1].startswith("neofix: position_ids[1, 0] is 6 at the step after 6 cached tokens")

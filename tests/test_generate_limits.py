@@ -307,6 +307,26 @@ def test_an_empty_static_cache_holds_no_tokens_so_a_wider_mask_is_refused():
     )
 
 
+@requires("static caches")
+def test_a_hand_written_loop_on_a_static_cache_decodes_as_vanilla():
+    """A prefill into a static cache, then decode steps with the 2D mask of the tokens so far: the cache's length is
+    a tensor (not read), so neofix checks only what the shapes tell, and every step's logits are vanilla's."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32, attention_types=[[["global"], 4]])
+    ids = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for context in (neofix.patched, neofix.unpatched):
+        with context(), torch.no_grad():
+            cache, fed, logits = static_cache(model), ids, []
+            for step in range(3):
+                mask = torch.ones(2, 5 + step, dtype=torch.long)
+                out = model(input_ids=fed, attention_mask=mask, **{cache_keyword(model): cache})
+                logits.append(out.logits)
+                fed = out.logits[:, -1:].argmax(-1)
+        runs.append(logits)
+    for patched, plain in zip(*runs):
+        assert torch.equal(patched, plain)
+
+
 def test_static_caches_are_probed_right():
     """The feature flag above is not vacuous: GPT-Neo refuses static caches up to 4.53, runs them from 4.57 on."""
     from ._versions import TF_RELEASE

@@ -475,3 +475,22 @@ def test_a_masked_new_token_keeps_the_position_transformers_gives_it(model32):
     assert torch.equal(patched[0], plain[0])
     expected = reference_logits(model32, torch.cat((ids, new), 1)[1:], step[1:])[:, -1]
     torch.testing.assert_close(patched[1:, -1], expected, rtol=1e-4, atol=1e-3)
+
+
+def test_one_row_of_token_types_given_as_1d_is_every_rows(model32):
+    """1D token_type_ids (transformers broadcasts them over the batch): a prefill computes vanilla's logits; at a
+    cached step, types of every token so far are sliced to the new tokens', as 2D ones are."""
+    ids = ids_of(2, 5)
+    types = torch.tensor([0, 1, 0, 1, 1])
+    patched, words, _ = run(model32, input_ids=ids, token_type_ids=types)
+    with neofix.unpatched():
+        plain = forward(model32, input_ids=ids, token_type_ids=types).logits
+    assert torch.equal(patched, plain) and words == []
+    mask = torch.ones(2, 5, dtype=torch.long)
+    keyword = cache_keyword(model32)
+    sliced, words, record = run(model32, input_ids=ids[:, 3:], attention_mask=mask, token_type_ids=types,
+                                **{keyword: cached(model32, ids[:, :3], mask[:, :3])})
+    new_only, _, _ = run(model32, input_ids=ids[:, 3:], attention_mask=mask, token_type_ids=types[3:],
+                         **{keyword: cached(model32, ids[:, :3], mask[:, :3])})
+    assert torch.equal(sliced, new_only)
+    assert (words, record.repairs) == ([], ("token_type_ids_sliced",))

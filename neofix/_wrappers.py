@@ -524,8 +524,9 @@ def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
 # generate wrapper, read by the stopping-criteria wrapper and by the overflow report.
 _GENERATING: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("neofix_generating", default=None)
 # Whether the generate call running in this context was given position_ids: generate then continues the caller's
-# positions (5.x adds one per step, 4.x repeats the last), which are not built from the mask, so its decode steps'
-# positions are compared with the mask's like any caller's (on the device, reported without blocking).
+# positions (5.10 and later add one per step; 5.0 and 4.57 repeat the last, 4.40 passes them whole), which are not
+# built from the mask, so its decode steps' positions are compared with the mask's like any caller's (on the device,
+# reported without blocking).
 _CALLER_POSITIONS: contextvars.ContextVar[bool] = contextvars.ContextVar("neofix_caller_positions", default=False)
 
 

@@ -238,19 +238,21 @@ def test_the_import_check_sees_a_heavy_import():
     assert {"typing", "wrapt"} <= _new_modules("import typing, wrapt") - allowed
 
 
-def wrong_position_loop(model, wrong_at, steps=4):
+def wrong_position_loop(model, wrong_at, steps=4, masked=True):
     """A hand-written loop over a left-padded batch passing the mask's positions, except at decode step ``wrong_at``
     where row 0's position is not incremented (repaired on the device).  Returns the NeofixWarnings of each decode
-    step's forward."""
+    step's forward.  ``masked=False``: an unpadded batch, and no mask passed at any step."""
     from neofix.testing import reference_positions
 
     from ._versions import cache_keyword, output_cache
 
-    ids, mask = left_padded_batch([6, 3, 5])
+    ids, mask = left_padded_batch([6, 3, 5] if masked else [6, 6, 6])
     positions = reference_positions(mask)
     said = []
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = model(
+            input_ids=ids, attention_mask=mask if masked else None, position_ids=positions, use_cache=True
+        )
         for step in range(steps):
             token = out.logits[:, -1:].argmax(-1)
             mask = torch.cat([mask, torch.ones_like(token)], -1)
@@ -261,11 +263,29 @@ def wrong_position_loop(model, wrong_at, steps=4):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 out = model(
-                    input_ids=token, attention_mask=mask, position_ids=given, use_cache=True,
+                    input_ids=token, attention_mask=mask if masked else None, position_ids=given, use_cache=True,
                     **{cache_keyword(): output_cache(out)},
                 )
             said.append([str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)])
     return said
+
+
+def test_a_device_side_repair_without_a_mask_is_said_in_the_cpu_words(model):
+    """A loop that passes no mask: the delayed report names the positions after the cache, as the CPU path does."""
+    from neofix import _errors
+
+    _errors.reset_warnings()
+    at_once = wrong_position_loop(model, wrong_at=1, masked=False)
+    assert [len(step) for step in at_once] == [0, 1, 0, 0]
+    assert at_once[1][0].startswith(
+        "neofix: position_ids[0, 0] is 6 at the step after 7 cached tokens, but with no attention mask every token "
+        "is real, so that token is at position 7 (arange over a left-padded batch, or a loop that does not increment "
+        "its positions?); used positions continuing after the cache."
+    ), at_once
+    _errors.reset_warnings()
+    with simulated_accelerator():
+        later = wrong_position_loop(model, wrong_at=1, masked=False)
+    assert later == [[], [], [], at_once[1]]
 
 
 def test_a_device_side_repair_is_said_once_its_copy_lands(model):

@@ -87,6 +87,14 @@ def test_unpatched_model_records_what_it_was_given(model, vanilla):
     assert str(steps[1]).endswith("repaired: nothing (neofix not patched)")
 
 
+def test_an_unpatched_forward_given_no_tokens_fails_as_vanilla_and_records_nothing(model, vanilla):
+    """Neither ``input_ids`` nor ``inputs_embeds``: nothing to record, and the trace's hook leaves transformers' own
+    error to the caller."""
+    with neofix.trace(model) as steps, pytest.raises(ValueError, match="input_ids or inputs_embeds"):
+        model(attention_mask=torch.ones(1, 3, dtype=torch.long))
+    assert steps == []
+
+
 def _float64_broken():
     from ._versions import has
 

@@ -206,6 +206,10 @@ def _save() -> tuple[frozenset[str], bool, set[str], frozenset[str]]:
 def _restore_state(saved: tuple[frozenset[str], bool, set[str], frozenset[str]]) -> None:
     global _hooks_enabled, _enabled
     patched, hooks_enabled, warned, enabled = saved
+    if hooks_enabled:
+        # the import hooks were on: a family whose module was first loaded inside the block (its hook then off) is
+        # patched now, as its hook would have patched it
+        patched |= {name for name, family in FAMILIES.items() if name in enabled and family.module in sys.modules}
     with _lock:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NeofixWarning)

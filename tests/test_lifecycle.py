@@ -342,6 +342,56 @@ def _stale_mask_step(model):
         return model(input_ids=torch.tensor([[8]]), attention_mask=mask, **{cache_keyword(): output_cache(out)})
 
 
+def test_a_family_first_loaded_inside_an_unpatched_block_is_patched_after_it():
+    """The import hooks are off inside the block; on exit neofix is back, so a family whose module was first loaded
+    there is patched as its hook would have patched it.  One loaded after the block is patched by its hook, and a
+    family not named by ``NEOFIX_FAMILIES`` stays alone."""
+    out, _ = run_python(
+        """
+        import json
+        import neofix
+
+        with neofix.unpatched():
+            from transformers.models.gpt2 import modeling_gpt2
+            from transformers.models.gptj import modeling_gptj
+            inside = [hasattr(modeling_gpt2.GPT2Model.forward, "__neofix_wrapper__"),
+                      hasattr(modeling_gptj.GPTJModel.forward, "__neofix_wrapper__")]
+        from transformers.models.gpt_neo import modeling_gpt_neo
+        print(json.dumps({
+            "inside": inside,
+            "gpt2": hasattr(modeling_gpt2.GPT2Model.forward, "__neofix_wrapper__"),
+            "gptj": hasattr(modeling_gptj.GPTJModel.forward, "__neofix_wrapper__"),
+            "gpt_neo": hasattr(modeling_gpt_neo.GPTNeoModel.forward, "__neofix_wrapper__"),
+        }))
+        """,
+        NEOFIX_FAMILIES="gpt_neo,gpt2",
+    )
+    assert out == {"inside": [False, False], "gpt2": True, "gptj": False, "gpt_neo": True}
+
+
+def test_a_block_over_an_unpatched_neofix_patches_nothing_loaded_in_it():
+    """After ``neofix.unpatch()`` the hooks are off: a family loaded inside a ``patched()`` or ``unpatched()`` block
+    is left unpatched after it, as before the block."""
+    out, _ = run_python(
+        """
+        import json
+        import neofix
+
+        neofix.unpatch()
+        with neofix.unpatched():
+            from transformers.models.gpt2 import modeling_gpt2
+        with neofix.patched():
+            from transformers.models.gptj import modeling_gptj
+        print(json.dumps({
+            "gpt2": hasattr(modeling_gpt2.GPT2Model.forward, "__neofix_wrapper__"),
+            "gptj": hasattr(modeling_gptj.GPTJModel.forward, "__neofix_wrapper__"),
+            "patched": neofix.is_patched(),
+        }))
+        """
+    )
+    assert out == {"gpt2": False, "gptj": False, "patched": False}
+
+
 def test_unpatched_block_runs_vanilla_and_restores_everything(model):
     patched_attributes = class_attributes()
     with pytest.warns(neofix.NeofixWarning, match="extended it with ones"):

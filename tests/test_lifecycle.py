@@ -167,7 +167,14 @@ def test_a_failing_patch_leaves_nothing_half_applied(monkeypatch):
     ]
     assert not neofix.is_patched()
     assert class_attributes() == before
+    rows = {name: state for name, state, _ in _lifecycle.status() if name in _gpt_neo_target_names()}
+    assert rows and set(rows.values()) == {"unpatched"}, rows  # none still said "patched"
     monkeypatch.undo()
+
+
+def _gpt_neo_target_names():
+    family = FAMILIES["gpt_neo"]
+    return {_lifecycle.target_name(family, target) for target in family.targets}
 
 
 def test_unpatch_turns_the_import_hook_off():
@@ -703,6 +710,23 @@ def test_a_target_outside_its_releases_is_left_as_it_is(monkeypatch):
         assert neofix.unpatch() is True
         assert modeling_gpt_neo._prepare_4d_causal_attention_mask is helper and vars(Flash)["forward"] is flash_forward
     assert len(wrappers) == 1
+
+
+@pytest.mark.parametrize(
+    ("since", "until", "words"),
+    [
+        ("4.36", None, "only transformers 4.36 and later have it"),
+        (None, "4.45", "only below 4.45"),
+        ("4.36", "4.45", "only transformers 4.36 to below 4.45 need it"),
+    ],
+)
+def test_a_gated_target_without_a_reason_is_skipped_with_its_releases(since, until, words):
+    """A target given no ``why`` names the releases it is for (GPT-Neo's gated targets are of the first kind, or
+    carry their own reason; a family adapter may declare any of the three)."""
+    from neofix._families import Target
+
+    target = Target("GPTNeoModel", "forward", wrapper="make_model_forward", since=since, until=until)
+    assert _lifecycle._gate(target) == words
 
 
 def test_unsupported_transformers_rows_say_why(monkeypatch):

@@ -29,10 +29,9 @@ _lock = threading.RLock()
 
 
 class _Applied:
-    __slots__ = ("attribute", "installed", "original", "owner", "target")
+    __slots__ = ("attribute", "installed", "original", "owner")
 
     def __init__(self, target: Target, owner: Any, original: Any, installed: Any) -> None:
-        self.target = target
         self.owner = owner
         self.attribute = target.attribute
         self.original = original  # the owner's own attribute before patching, or _MISSING when it was inherited

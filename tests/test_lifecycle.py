@@ -349,13 +349,44 @@ def _stale_mask_step(model):
         return model(input_ids=torch.tensor([[8]]), attention_mask=mask, **{cache_keyword(): output_cache(out)})
 
 
-def test_a_family_first_loaded_inside_an_unpatched_block_is_patched_after_it():
-    """The import hooks are off inside the block; on exit neofix is back, so a family whose module was first loaded
-    there is patched as its hook would have patched it.  One loaded after the block is patched by its hook, and a
-    family not named by ``NEOFIX_FAMILIES`` stays alone."""
+def test_patch_before_transformers_is_loaded_wraps_once():
+    """``neofix.patch()`` before transformers is imported imports GPT-Neo's module, whose import hook patches it
+    right then: patch() sees that and wraps nothing a second time, so one unpatch() gives vanilla back."""
     out, _ = run_python(
         """
         import json
+
+        import neofix
+
+        installed = neofix.patch()
+        from transformers.models.gpt_neo import modeling_gpt_neo
+
+        forward = modeling_gpt_neo.GPTNeoModel.forward
+        print(json.dumps({
+            "installed": installed,
+            "wrapper": hasattr(forward, "__neofix_wrapper__"),
+            "of_a_wrapper": hasattr(forward.__wrapped__, "__neofix_wrapper__"),
+            "again": neofix.patch(),
+            "removed": neofix.unpatch(),
+            "vanilla_after": not hasattr(modeling_gpt_neo.GPTNeoModel.forward, "__neofix_wrapper__"),
+        }))
+        """
+    )
+    assert out == {
+        "installed": True, "wrapper": True, "of_a_wrapper": False, "again": False, "removed": True,
+        "vanilla_after": True,
+    }
+
+
+def test_a_family_first_loaded_inside_an_unpatched_block_is_patched_after_it():
+    """The import hooks are off inside the block; on exit neofix is back, so a family whose module was first loaded
+    there is patched as its hook would have patched it, and nothing else is imported.  One loaded after the block is
+    patched by its hook, and a family not named by ``NEOFIX_FAMILIES`` stays alone."""
+    out, _ = run_python(
+        """
+        import json
+        import sys
+
         import neofix
 
         with neofix.unpatched():
@@ -363,9 +394,11 @@ def test_a_family_first_loaded_inside_an_unpatched_block_is_patched_after_it():
             from transformers.models.gptj import modeling_gptj
             inside = [hasattr(modeling_gpt2.GPT2Model.forward, "__neofix_wrapper__"),
                       hasattr(modeling_gptj.GPTJModel.forward, "__neofix_wrapper__")]
+        gpt_neo_loaded = "transformers.models.gpt_neo.modeling_gpt_neo" in sys.modules
         from transformers.models.gpt_neo import modeling_gpt_neo
         print(json.dumps({
             "inside": inside,
+            "gpt_neo_loaded_by_the_block": gpt_neo_loaded,
             "gpt2": hasattr(modeling_gpt2.GPT2Model.forward, "__neofix_wrapper__"),
             "gptj": hasattr(modeling_gptj.GPTJModel.forward, "__neofix_wrapper__"),
             "gpt_neo": hasattr(modeling_gpt_neo.GPTNeoModel.forward, "__neofix_wrapper__"),
@@ -373,7 +406,9 @@ def test_a_family_first_loaded_inside_an_unpatched_block_is_patched_after_it():
         """,
         NEOFIX_FAMILIES="gpt_neo,gpt2",
     )
-    assert out == {"inside": [False, False], "gpt2": True, "gptj": False, "gpt_neo": True}
+    assert out == {
+        "inside": [False, False], "gpt_neo_loaded_by_the_block": False, "gpt2": True, "gptj": False, "gpt_neo": True
+    }
 
 
 def test_a_block_over_an_unpatched_neofix_patches_nothing_loaded_in_it():

@@ -14,6 +14,9 @@ Forward kinds (each one call of the model, no cache given unless said):
                      second one: a multi-token step after a cache).
 ``training step``    ``model(input_ids, attention_mask, labels=...)`` then ``loss.backward()``.
 ``classification``   ``GPTNeoForSequenceClassification`` (same weights where they exist) under ``no_grad``.
+``prefill+positions`` and ``chunk+positions``
+                     the prefill and the chunk given the caller's positions (the mask's, made outside the timed
+                     call), as transformers' ``generate`` passes them on its prefill and a careful loop does.
 
 Shapes: the tiny random GPT-Neo of ``neofix.testing`` at batch 2 x 32 and 8 x 48 tokens, and a random model shaped
 like gpt-neo-125M at 1 x 128 (built from configs, nothing downloaded).  Batches above 1 come unpadded and
@@ -21,7 +24,7 @@ left-padded (every other row a few pads short: neofix then derives positions fro
 case).  Time is single-thread CPU time (``time.thread_time_ns``).  Calls alternate patched / vanilla (the order
 flipping every pair), the patch put in and taken out by setting the class attributes ``neofix.patch()`` sets, outside
 the timed interval; each pair gives a ratio (its median is printed).  Outputs must equal vanilla's where the batch
-is unpadded (left-padded rows differ by design: the positions neofix derives).
+is unpadded or positions are given (left-padded rows given none differ by design: the positions neofix derives).
 
 A ratio of two whole forwards carries the forward's own noise (on a shared machine single pairs scatter by 10 - 30%,
 so the median of 200 moves by 1 - 2%).  So each row gives two measures taken in place:
@@ -63,7 +66,7 @@ torch.set_num_threads(1)
 
 TARGETS = {"tiny": 1.02, "125m": 1.005}
 SHAPES = {"tiny": [(2, 32), (8, 48)], "125m": [(1, 128)]}
-KINDS = ("prefill", "chunked prefill", "training step", "classification")
+KINDS = ("prefill", "chunked prefill", "training step", "classification", "prefill+positions", "chunk+positions")
 DEFAULT_PAIRS = {False: {"tiny": 200, "125m": 12}, True: {"tiny": 40, "125m": 3}}
 
 
@@ -96,16 +99,26 @@ def call_of(kind: str, model: Any, classifier: Any, ids: torch.Tensor, mask: tor
             with torch.no_grad():
                 return model(input_ids=ids, attention_mask=mask, use_cache=True).logits
         return call
-    if kind == "chunked prefill":
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # the caller's, as generate and careful loops pass them
+    if kind == "prefill+positions":
+        def call() -> Any:
+            with torch.no_grad():
+                return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).logits
+        return call
+    if kind in ("chunked prefill", "chunk+positions"):
         half = ids.shape[1] // 2
+        given = kind == "chunk+positions"
+        start_given = {"position_ids": positions[:, :half]} if given else {}
+        given_after = {"position_ids": positions[:, half:]} if given else {}
         keyword = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
 
         def call() -> Any:
             with torch.no_grad():
-                first = model(input_ids=ids[:, :half], attention_mask=mask[:, :half], use_cache=True)
+                first = model(input_ids=ids[:, :half], attention_mask=mask[:, :half], use_cache=True, **start_given)
                 cache = first["cache"] if "cache" in first.keys() else first["past_key_values"]
                 start = time.thread_time_ns()  # only the second, cached, multi-token forward is timed
-                out = model(input_ids=ids[:, half:], attention_mask=mask, use_cache=True, **{keyword: cache})
+                rest = {keyword: cache, **given_after}
+                out = model(input_ids=ids[:, half:], attention_mask=mask, use_cache=True, **rest)
                 return out.logits, time.thread_time_ns() - start
         return call
     if kind == "training step":
@@ -247,7 +260,7 @@ class DifferingPart:
 
 
 def measure(
-    switch: WrapperSwitch, call: Callable[[], Any], pairs: int, padded: bool, part: DifferingPart
+    switch: WrapperSwitch, call: Callable[[], Any], pairs: int, padded: bool, part: DifferingPart, given: bool = False
 ) -> dict[str, Any]:
     for patched in (True, False, True, False):  # warm up both, and say once what neofix says once
         switch(patched)
@@ -265,8 +278,8 @@ def measure(
         ratios.append(times[True][-1] / times[False][-1])
         edges.append(parts[True][0] - parts[False][0])
         blocks.append(parts[True][1] - parts[False][1])
-        if not padded and not torch.equal(outs[True], outs[False]):
-            raise SystemExit("patched and vanilla outputs differ on an unpadded batch")
+        if (not padded or given) and not torch.equal(outs[True], outs[False]):
+            raise SystemExit("patched and vanilla outputs differ on an unpadded batch, or given positions")
     switch(True)
     return {
         "pairs": pairs,
@@ -300,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{info['cpu']} ({info['cpus']} CPUs), 1 torch thread; load average {load()}"
     )
     header = (
-        f"{'kind':16} {'model':5} {'shape':>7} {'padding':>11} {'pairs':>5}  {'vanilla':>10} {'patched':>10} "
+        f"{'kind':18} {'model':5} {'shape':>7} {'padding':>11} {'pairs':>5}  {'vanilla':>10} {'patched':>10} "
         f"{'ratio min / median / max':>24}  {'own':>6} {'1+own/vanilla':>13}  {'net':>6} {'blocks':>7} "
         f"{'1+NET/vanilla':>13}  target"
     )
@@ -323,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                             model.train()  # dropout is 0 in these configs: the step is deterministic
                         pairs = args.pairs or DEFAULT_PAIRS[args.quick][name]
                         call = call_of(kind, model, classifier, ids, mask)
-                        row = measure(switch, call, pairs, padded, part)
+                        row = measure(switch, call, pairs, padded, part, kind.endswith("positions"))
                         row["own_us"] = own.measure(call, pairs)
                         row["own_ratio"] = 1 + row["own_us"] / row["vanilla_us"]
                         row["net_ratio"] = 1 + row["net_us"] / row["vanilla_us"]
@@ -334,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                         row.update(kind=kind, model=name, batch=batch, length=length, padded=padded)
                         rows.append(row)
                         print(
-                            f"{kind:16} {name:5} {batch:>2}x{length:<4} {'left-padded' if padded else 'unpadded':>11} "
+                            f"{kind:18} {name:5} {batch:>2}x{length:<4} {'left-padded' if padded else 'unpadded':>11} "
                             f"{pairs:5d}  {row['vanilla_us']:8.0f}us {row['patched_us']:8.0f}us "
                             f"{row['ratio_min']:7.3f} / {row['ratio_median']:.4f} / {row['ratio_max']:.3f}  "
                             f"{row['own_us']:4.0f}us {row['own_ratio']:13.4f}  {row['net_us']:4.0f}us "

@@ -31,7 +31,7 @@ from ._compat import STEPPING_ASIDE, is_tracing, positional_names, tracer
 from ._config import settings
 from ._core import Aligned, Limits, Policy, StepInputs, align, derive_positions, explain_index_error, step_unchanged
 from ._core._align import check_cache
-from ._core._values import read_prefill, shapes_fit
+from ._core._values import COMPARED_KINDS, given_fits, read_given, read_prefill, shapes_fit
 from ._errors import (
     AttentionWindowError,
     InputShapeError,
@@ -220,26 +220,36 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
 def plain_forward(
     input_ids: Any, shape: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any, grown: Any = None
 ) -> tuple[Any, int]:
-    """The values of a forward given ``input_ids`` and a 2D mask (or none) and no positions, token types, embeddings
-    or ``cache_position``: without a cache (the usual training, scoring and classification call, and a loop's first
+    """The values of a forward given ``input_ids`` and a 2D mask (or none), and no token types, embeddings or
+    ``cache_position``: without a cache (the usual training, scoring and classification call, and a loop's first
     forward), or a chunk of two or more tokens after a cache whose every layer holds the same ``p`` tokens of the same
-    rows, with a mask over the ``p`` cached and the new tokens.  Read by :func:`~neofix._core.read_prefill`, as
+    rows, with a mask over the ``p`` cached and the new tokens.  Without positions, read by
+    :func:`~neofix._core.read_prefill`; with the caller's (for the families whose positions ``align`` compares with
+    the mask), by :func:`~neofix._core._values.read_given`, which passes them on only where every check passes.  As
     :func:`~neofix._core.align` would read them: ``(settled, p)`` (``p`` 0 without a cache), or ``(None, 0)`` for any
-    other call, and for any call ``align`` would refuse before reading a value (the general
-    path aligns those, and says what is wrong).  Shapes are checked first, from the call's arguments alone.
-    Positions are derived from a left-padded mask for the families that take absolute ones (``adapter.POSITIONS``),
-    as ``align`` derives them.  ``grown``: the family's :func:`~neofix._caches.grown_reader`, or ``None``."""
+    other call, and for any call ``align`` would refuse, repair or read differently (the general path aligns those,
+    and says what is wrong).  Shapes are checked first, from the call's arguments alone.  Positions are derived from
+    a left-padded mask for the families that take absolute ones (``adapter.POSITIONS``), as ``align`` derives them.
+    ``grown``: the family's :func:`~neofix._caches.grown_reader`, or ``None``."""
     if (
-        kwargs.get("position_ids") is not None
-        or kwargs.get("token_type_ids") is not None
+        kwargs.get("token_type_ids") is not None
         or kwargs.get("inputs_embeds") is not None
         or kwargs.get("cache_position") is not None
     ):
         return None, 0
-    cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
-    mask = kwargs.get("attention_mask")
     if len(shape) != 2 or shape[1] == 0:  # (``shape``: input_ids.shape)
         return None, 0
+    given = kwargs.get("position_ids")
+    # the caller's positions, for a family that compares them with the mask, and whose table (if it has one) it
+    # looks them up in: read_given leaves their range to that lookup
+    if given is not None and (
+        adapter.POSITIONS not in COMPARED_KINDS
+        or (adapter.POSITIONS != "absolute" and limits[0] is not None)
+        or not given_fits(given, shape)
+    ):
+        return None, 0
+    cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
+    mask = kwargs.get("attention_mask")
     derive = adapter.POSITIONS == "absolute"
     if cache is None:
         limit = limits[0]  # max_positions
@@ -247,6 +257,8 @@ def plain_forward(
             0, input_ids, shape, mask, None if mask is None else mask.shape
         ):
             return None, 0
+        if given is not None:  # the caller's positions: unchanged where every check passes, else the general path
+            return read_given(input_ids, given, mask), 0
         return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), 0
     if mask is None or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):  # the general path wraps such tuples
         return None, 0
@@ -263,6 +275,9 @@ def plain_forward(
         return None, 0
     if view is not None:
         check_cache(view, shape[0], shape[1], limits)  # what align checks (and raises) before it reads a value
+    if given is not None:
+        settled = read_given(input_ids, given, mask, past)
+        return (None, 0) if settled is None else (settled, past)
     return read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive), past
 
 

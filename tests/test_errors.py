@@ -13,8 +13,8 @@ caches of 2 rows x 5 tokens) is run twice:
 Errors found by a check are raised before any embedding lookup (on an accelerator a bad index is a device-side
 assert, not an ``IndexError`` neofix could translate); only the cases marked ``translated`` (single-token decode
 steps, whose values are not read by default) reach the embedding first, and those marked ``translated_on_cpu``
-(token ids of a prefill or chunk, left to the embedding on the CPU) reach it first on the CPU only: they are run
-again on the path accelerators take, which must raise before any lookup.
+(token ids of a prefill or chunk, and given positions there, left to the embedding on the CPU) reach it first on the
+CPU only: they are run again on the path accelerators take, which must raise before any lookup.
 
 The value checks (``neofix.configure(check_values=...)``) are tested at the end, including that by default a
 single-token decode step adds no tensor -> Python conversion (no host-device synchronisation on an accelerator).
@@ -176,12 +176,29 @@ class Case(NamedTuple):
     mode: str = "repair"
     check_values: bool = False
     translated: bool = False  # found by translating the embedding's IndexError (the lookup runs first)
-    translated_on_cpu: bool = False  # translated on the CPU, read before the lookup on the accelerator path
+    # translated on the CPU, read before the lookup on the accelerator path (a callable: of the model, measured)
+    translated_on_cpu: bool | Callable[[Any], bool] = False
     well_formed: Callable[[Any], tuple[Callable[[], Any], Any]] | None = None  # the call as it should have been
 
 
 def case(build, error, patterns, **settings) -> Case:
     return Case(build, error, tuple(patterns), **settings)
+
+
+@torch.no_grad()
+def generate_prefills_plainly(model: Any) -> bool:
+    """Whether the installed release's ``generate`` calls the model's first forward as a plain prefill: the mask's
+    positions and no cache object or ``cache_position`` (4.26 does; 4.45 and 5.x pass an empty cache), a forward
+    whose token ids the CPU path leaves to the embedding."""
+    calls = []
+    hook = model.transformer.register_forward_pre_hook(lambda _, args, kwargs: calls.append(kwargs), with_kwargs=True)
+    try:
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=1, pad_token_id=0)
+    finally:
+        hook.remove()
+    first = calls[0]
+    cache = first.get("cache", first.get("past_key_values"))
+    return cache is None and first.get("cache_position") is None and first.get("position_ids") is not None
 
 
 def _resolve(kwargs: dict, model: Any) -> dict:
@@ -264,12 +281,14 @@ CASES = {
         lambda m: (lambda: m.generate(torch.tensor([[5, 96, 7]]), max_new_tokens=3, pad_token_id=0), None),
         neofix.TokenIdError,
         [r"input_ids\[0, 1\] is 96", *TOKEN_ID, TOKENIZER],
+        translated_on_cpu=generate_prefills_plainly,
     ),
     # position ids outside the position table
     "position >= max_position_embeddings, prefill": case(
         prefill(input_ids=ones(1, 3), position_ids=torch.tensor([[0, 1, 64]])),
         neofix.PositionError,
         [r"position_ids\[0, 2\] is 64", r"max_position_embeddings is 64", r"\[0, 63\]", r"pass none"],
+        translated_on_cpu=True,
     ),
     "position < 0 of a masked token, decode step (translated IndexError)": case(
         # a real token's position is compared with the mask's (and repaired); a masked token keeps what it is given
@@ -541,12 +560,13 @@ def test_invalid_step_raises_a_clear_error(model, model32, name):
     for pattern in spec.patterns:
         assert re.search(pattern, message), f"{pattern!r} not in: {message}"
     assert isinstance(raised.value, ValueError)
-    if not (spec.translated or spec.translated_on_cpu):
+    on_cpu = spec.translated_on_cpu(model) if callable(spec.translated_on_cpu) else spec.translated_on_cpu
+    if not (spec.translated or on_cpu):
         assert lookups.count == 0, f"an embedding lookup ran before the {spec.error.__name__}: the check came too late"
-    if spec.translated or spec.translated_on_cpu:  # the embedding's IndexError is kept as the cause
+    if spec.translated or on_cpu:  # the embedding's IndexError is kept as the cause
         assert isinstance(raised.value.__cause__, IndexError)
         assert "index out of range" in str(raised.value.__cause__)
-    if spec.translated_on_cpu:
+    if on_cpu:
         _values.READ_SCALARS_ON_CPU = False  # the path accelerators take: the ids are read before any lookup
         try:
             with Lookups(model) as lookups, pytest.raises(spec.error) as again, warnings.catch_warnings():

@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 import neofix
@@ -389,7 +390,7 @@ def test_chunk_reads_agree_on_the_cpu_and_accelerator_paths(model, name):
 
 def test_plain_forwards_take_the_prefill_path(model, monkeypatch):
     """Training, scoring and classification calls are read by read_prefill, and changed only where left-padded; so
-    is a chunk after a cache with a mask over both."""
+    is a chunk after a cache with a mask over both.  Given the mask's positions, read_given reads them."""
     taken = []
     real = _wrappers.plain_forward
 
@@ -404,10 +405,11 @@ def test_plain_forwards_take_the_prefill_path(model, monkeypatch):
         model(input_ids=ids, attention_mask=mask)  # causal LM
         model(input_ids=ids, attention_mask=mask, labels=ids)  # with a loss
         model(input_ids=ids)  # no mask
-        model(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask))  # positions: general path
+        model(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask))  # the mask's positions
+        model(input_ids=ids, attention_mask=mask, token_type_ids=ids)  # token types: the general path
         cache = output_cache(model(input_ids=ids[:, :3], attention_mask=mask[:, :3], use_cache=True))
         model(input_ids=ids[:, 3:], attention_mask=mask, **{cache_keyword(): cache})  # a chunk: mask over both
-    assert taken == [(True, 0)] * 3 + [(False, 0), (True, 0), (True, 3)]
+    assert taken == [(True, 0)] * 4 + [(False, 0), (True, 0), (True, 3)]
 
 
 @pytest.mark.parametrize(
@@ -476,6 +478,213 @@ if given is not None:
         (fast_logits, fast_warnings, fast_steps), (logits, warned, steps) = outcomes
         torch.testing.assert_close(fast_logits, logits, rtol=0, atol=0, equal_nan=True)  # all-pad rows: NaN
         assert fast_warnings == warned and fast_steps == steps
+
+
+GIVEN_FAMILIES = ["gpt_neo", "gpt2", "opt"]  # positions looked up in a table (2), derived from the mask (OPT)
+GIVEN_KINDS = ["mask", "arange", "any", "one off", "outside", "negative"]
+
+
+def given_positions(mask, past, kind, shared, values, cell, limit):
+    """Positions of the new columns of ``mask`` after ``past`` cached tokens, as a caller might pass them: the
+    mask's, ``arange`` (counting the padding), any values in the table, the mask's with one ``cell`` off by one,
+    outside the table (``limit``) or negative; one row for every row (``shared``) or one per row."""
+    rows, width = mask.shape
+    new = width - past
+    if kind == "mask":
+        positions = reference_positions(mask)[:, past:]
+    elif kind == "arange":
+        positions = torch.arange(past, width).expand(rows, new)
+    elif kind == "any":
+        positions = torch.tensor(values[: rows * new]).view(rows, new) % limit
+    else:
+        positions = reference_positions(mask)[:, past:].clone()
+        row, column = cell[0] % rows, cell[1] % new
+        positions[row, column] = {"one off": positions[row, column] + 1, "outside": limit, "negative": -1}[kind]
+    return positions[:1] if shared else positions
+
+
+def run_outcome(model, prefill, chunk, fast):
+    """Logits (or the error), warnings and trace records of ``chunk`` (after ``prefill``, where it is given) and of
+    one decode step after it, by the fast path or by the general path (``align``)."""
+    _errors.reset_warnings()
+    results = []
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if not fast:
+            patch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0))
+        with torch.no_grad(), neofix.trace(model) as steps:
+            if prefill is not None:
+                chunk[cache_keyword()] = output_cache(model(**prefill))
+            mask = chunk["attention_mask"]
+            step = {"input_ids": torch.full((mask.shape[0], 1), 3), "attention_mask": F.pad(mask, (0, 1), value=1)}
+            for call in (chunk, step):  # the step: does it say what the chunk's mask says (right padding)?
+                try:
+                    out = model(**call, use_cache=True)
+                except Exception as exc:  # noqa: BLE001 - the outcome compared: which error, in which words
+                    results.append((type(exc), str(exc)))
+                    break
+                results.append(out.logits)
+                step[cache_keyword()] = output_cache(out)
+    return results, [str(w.message) for w in caught], list(steps)
+
+
+if given is not None:
+
+    @pytest.mark.parametrize("family", GIVEN_FAMILIES)
+    @given(
+        st.lists(st.lists(st.integers(0, 1), min_size=7, max_size=7), min_size=1, max_size=3),
+        st.integers(0, 5),
+        st.sampled_from(GIVEN_KINDS),
+        st.booleans(),
+        st.lists(st.integers(0, 200), min_size=21, max_size=21),
+        st.tuples(st.integers(0, 2), st.integers(0, 6)),
+        st.booleans(),
+        st.sampled_from([None] * 6 + [2]),
+    )
+    @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 0, "mask", False, [0] * 21, (0, 0), False, None)  # generate's prefill
+    @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 0, "arange", True, [0] * 21, (0, 0), False, None)  # counts the padding
+    @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 3, "mask", False, [0] * 21, (0, 0), False, None)  # a chunk
+    @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 3, "one off", False, [0] * 21, (1, 2), False, None)  # a chunk, one wrong
+    @example([[1] * 7, [1] * 7], 0, "outside", True, [0] * 21, (0, 4), False, None)  # unpadded, outside the table
+    @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 0, "negative", False, [0] * 21, (1, 0), True, None)  # at a pad, strict
+    @example([[1] * 7, [1, 1, 1, 1, 1, 0, 0]], 0, "mask", False, [0] * 21, (0, 0), False, None)  # right-padded
+    @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 0, "mask", False, [0] * 21, (1, 4), False, 2)  # a mask value of 2
+    @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 0, "any", False, [0] * 21, (1, 0), False, 2)  # a 2 among pads
+    @example([[1] * 7, [1] * 7], 3, "one off", False, [0] * 21, (1, 2), False, None)  # unpadded chunk, one wrong
+    def test_given_positions_compute_on_the_fast_path_what_the_general_path_computes(
+        family, rows, past, kind, shared, values, cell, strict, odd
+    ):
+        """Whatever mask, and whatever positions a caller passes with a prefill or a chunk after ``past`` cached
+        tokens, the fast path (:func:`plain_forward`, :func:`read_given`) gives the logits, or the error, the
+        warnings and the trace records the general path (``align``) gives, and so does a decode step after it: it
+        passes on only positions ``align`` passes on unchanged.  ``odd``: a mask value neither 0 nor 1 at ``cell``."""
+        model = _chunk_model(family)
+        mask = torch.tensor(rows)
+        if odd is not None:
+            mask[cell[0] % mask.shape[0], cell[1]] = odd
+        if past and mask.shape[1] - past < 2:
+            return
+        ids = (torch.arange(mask.numel()).view(mask.shape) * 7) % 90 + 1
+        limit = model.config.max_position_embeddings
+        positions = given_positions(mask, past, kind, shared, values, cell, limit)
+        prefill = None
+        chunk = {"input_ids": ids[:, past:], "attention_mask": mask, "position_ids": positions}
+        if past:
+            prefill = {"input_ids": ids[:, :past], "attention_mask": mask[:, :past].clamp(max=1), "use_cache": True}
+        neofix.configure(mode="strict" if strict else "repair")
+        try:
+            (fast, fast_warned, fast_steps), (general, warned, steps) = (
+                run_outcome(model, prefill, dict(chunk), fast) for fast in (True, False)
+            )
+        finally:
+            neofix.configure(mode="repair")
+        assert fast_warned == warned and len(fast) == len(general)
+        for one, other in zip(fast, general):
+            if isinstance(other, tuple):  # refused: the same error, in the same words
+                assert one == other
+                return
+            torch.testing.assert_close(one, other, rtol=0, atol=0, equal_nan=True)  # all-pad rows: NaN
+        assert fast_steps == steps
+
+
+def test_positions_generate_passes_take_the_fast_path(model, monkeypatch):
+    """A prefill and a chunk given the mask's positions, the way transformers' generate and a careful loop pass them,
+    are read by :func:`read_given` and passed on as they are; positions that count a row's padding on a prefill, or
+    are off at a real token of a chunk, go to the general path, which repairs them."""
+    taken = []
+    real = _values.read_given
+
+    def spy(*args):
+        result = real(*args)
+        taken.append(None if result is None else result.positions is args[1])
+        return result
+
+    monkeypatch.setattr(_values, "read_given", spy)
+    monkeypatch.setattr(_wrappers, "read_given", spy)
+    ids, mask = left_padded_batch([5, 3])
+    positions = reference_positions(mask)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(input_ids=ids, attention_mask=mask, position_ids=positions)  # generate's prefill
+        model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(5)[None])  # counts the padding
+        cache = output_cache(model(input_ids=ids[:, :3], attention_mask=mask[:, :3], use_cache=True))
+        model(input_ids=ids[:, 3:], attention_mask=mask, position_ids=positions[:, 3:], **{cache_keyword(): cache})
+        cache = output_cache(model(input_ids=ids[:, :3], attention_mask=mask[:, :3], use_cache=True))
+        model(input_ids=ids[:, 3:], attention_mask=mask, position_ids=positions[:, 3:] + 1, **{cache_keyword(): cache})
+        cache = output_cache(model(input_ids=ids[:, :1], attention_mask=mask[:, :1], use_cache=True))
+        model(input_ids=ids[:, 1:], attention_mask=mask, position_ids=positions[:, 1:], **{cache_keyword(): cache})
+    assert taken == [True, None, True, None, True]  # the last: row 1's real tokens begin inside the chunk
+
+
+@pytest.mark.parametrize(
+    "shape, error",
+    [
+        ("three rows", neofix.BatchMismatchError),
+        ("one dimension", None),
+        ("float", neofix.PositionError),
+        ("int32", None),
+        ("cached and new", None),  # as long as the cached and new tokens: the new tokens' are taken
+        ("a column more", None),  # another length: derived from the mask instead
+    ],
+)
+@pytest.mark.parametrize("past", [0, 2])
+def test_given_positions_of_another_shape_or_dtype_are_aligned_as_the_general_path_aligns_them(shape, error, past):
+    """Positions other than long ``(1 or batch, new tokens)`` are left to the general path, which aligns them or
+    says what is wrong: the fast path gives its outcome."""
+    model = _chunk_model("gpt_neo")
+    ids, mask = left_padded_batch([5, 3])
+    positions = reference_positions(mask)
+    new = positions[:, past:]
+    given = {
+        "three rows": torch.cat([new, new[:1]]),
+        "one dimension": new[0],
+        "float": new.double(),
+        "int32": new.int(),
+        "cached and new": positions,
+        "a column more": F.pad(new, (0, 1)),
+    }[shape]
+    chunk = {"input_ids": ids[:, past:], "attention_mask": mask, "position_ids": given}
+    prefill = {"input_ids": ids[:, :past], "attention_mask": mask[:, :past], "use_cache": True} if past else None
+    outcomes = [run_outcome(model, prefill, dict(chunk), fast) for fast in (True, False)]
+    (fast, fast_warned, fast_steps), (general, warned, steps) = outcomes
+    assert fast_warned == warned and len(fast) == len(general)
+    if error is not None:
+        assert isinstance(general[0], tuple) and issubclass(general[0][0], error) and fast[0] == general[0]
+        return
+    for one, other in zip(fast, general):
+        torch.testing.assert_close(one, other, rtol=0, atol=0)
+    assert fast_steps == steps
+
+
+def test_the_range_of_given_positions_is_left_to_the_embedding(model, monkeypatch):
+    """GPT-Neo looks positions up in its table, where on the CPU one outside it fails before anything else runs, and
+    the forward names it: so the CPU path reads no position where every row is real tokens (a prefill takes any
+    positions then), and reads a left-padded row's only to tell whether they count its padding."""
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self, real=torch.Tensor.tolist: reads.append(self) or real(self))
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    positions = torch.tensor([[0, 1, 2], [3, 4, 64]])
+    for mask, read in ((torch.ones_like(ids), [(2, 3)]), (torch.tensor([[1, 1, 1], [0, 1, 1]]), [(2, 3), (2, 3)])):
+        reads.clear()
+        assert _values.read_given(ids, positions, mask).positions is positions
+        assert [tensor.shape for tensor in reads] == read  # the mask, then (left-padded) the positions
+        with pytest.raises(neofix.PositionError, match=r"position_ids\[1, 2\] is 64, outside the position table"):
+            model(input_ids=ids, attention_mask=mask, position_ids=positions)
+
+
+def test_given_positions_of_a_family_without_the_lookup_take_the_general_path():
+    """A family whose given positions are compared with the mask but not looked up in a table of max_positions
+    (none such yet: OPT's has no limit in columns) would need their range read: the general path reads it."""
+    from neofix._families import opt
+
+    model = _chunk_model("opt")
+    _, layers, limits = _wrappers._read_model_facts(model.model.decoder, opt)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.tensor([[0, 1, 2]])}
+    assert _wrappers.plain_forward(ids, ids.shape, kwargs, layers, limits, opt)[0] is not None
+    ranged = limits._replace(max_positions=64)
+    assert _wrappers.plain_forward(ids, ids.shape, kwargs, layers, ranged, opt) == (None, 0)
+    assert _wrappers.plain_forward(ids, ids.shape, kwargs, layers, ranged, gpt_neo)[0] is not None
 
 
 # -- a chunk's cache read from its keys' shapes (transformers 4.56 and later) ---------------------------------------

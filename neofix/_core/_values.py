@@ -33,6 +33,10 @@ _FIX_VALUES = (
 )
 
 
+#: The kinds of positions (:class:`Policy`) whose given values are compared with the mask's
+COMPARED_KINDS = ("absolute", "mask")
+
+
 def derive_positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """Positions of the last ``new_tokens`` columns of a 2D mask: ``cumsum(mask) - 1``, pads clamped to 0."""
     positions = attention_mask.long().cumsum(-1)[:, -new_tokens:] - 1
@@ -94,7 +98,7 @@ def settle(
     decode = new == 1 and past != 0
     # generate's own positions are compared on its prefill only (they may be the caller's), not on its decode steps
     kind = policy.positions
-    compare = given and kind in ("absolute", "mask") and (not policy.trusted_positions or past == 0)
+    compare = given and kind in COMPARED_KINDS and (not policy.trusted_positions or past == 0)
     if not given and kind != "absolute":  # positions the model makes itself (from the mask, or counting from 0)
         if policy.compiling or (decode and not policy.check_values):
             return Settled(positions, False, None, ())
@@ -281,6 +285,61 @@ def read_prefill(
     # (a slice: Python's basic indexing costs half of ``narrow`` right after a forward; the mask is past + new wide)
     positions = counted[:, past - 1 : -1] if past else counted.sub_(mask)
     return _new(Settled, (positions, True, None, right_padded, (derived,)))
+
+
+def given_fits(positions: Any, shape: Any) -> bool:
+    """Whether :func:`read_given` may take these caller's positions for ``input_ids`` of ``shape``: long, 2D, one
+    row or one per input row, a column per new token (shapes and dtypes only)."""
+    return (
+        positions.dtype == torch.long
+        and positions.dim() == 2
+        and positions.shape[1] == shape[1]
+        and positions.shape[0] in (1, shape[0])
+    )
+
+
+def read_given(input_ids: torch.Tensor, positions: torch.Tensor, mask: Any, past: int = 0) -> Settled | None:
+    """The value checks of :func:`_read_once` for the caller's positions on the CPU, where they all pass: a prefill
+    or a chunk after ``past`` cached tokens, positions that :func:`given_fits`, and a 2D long mask over the cached
+    and new tokens (or none on a prefill).  Returns the positions unchanged, or ``None`` wherever ``_read_once``
+    could say or change anything (the general path then does, in its words): on an accelerator (where reading is a
+    synchronisation), a mask with a row that is neither all real tokens nor pads then real tokens (right padding, a
+    gap, a row of pads, a value neither 0 nor 1), a prefill row whose positions count its left padding (``arange``),
+    a chunk's real token whose position is not the mask's.
+
+    A torch operation costs tens of microseconds right after a forward on the CPU: the mask and the positions are
+    read with one ``tolist()`` each, and searched at C speed (list comparisons), as :func:`read_prefill` reads the
+    mask.  Token ids are left to the embedding, as there, and so is the range of the positions: only for a family
+    that looks them up in its table of ``max_positions`` (absolute positions; the caller checks), where on the CPU
+    one outside it raises ``IndexError`` before anything else runs, which the model forward names
+    (:func:`explain_index_error`).  (A ``min`` and a ``max`` over the lists cost more than both reads.)  So a prefill
+    whose every row is real tokens, which takes any positions, reads none.
+    """
+    if not (READ_SCALARS_ON_CPU and _on_cpu(input_ids) and _on_cpu(positions) and (mask is None or _on_cpu(mask))):
+        return None
+    pads_of: list[int] = []  # per row: its pads (before its real tokens)
+    if mask is not None:
+        rows = mask.tolist()  # the one read of the mask
+        width = len(rows[0]) if rows else 0
+        for row in rows:
+            ones = row.count(1)
+            pads = width - ones
+            if pads and (not ones or row.count(0) != pads or row.index(1) != pads):
+                return None  # a row of pads, a pad after a real token, or a value neither 0 nor 1
+            pads_of.append(pads)
+    if not past and not any(pads_of):  # every token real, at its column: any position in the table
+        return _new(Settled, (positions, True, None, (), ()))
+    given = positions.tolist()  # the one read of the positions
+    shared = given[0] if len(given) == 1 else None  # one row of positions for every row
+    for index, pads in enumerate(pads_of):
+        own = given[index] if shared is None else shared
+        if past:  # the real new tokens (from column max(pads, past)) count from 0 at the row's first real token
+            first = max(pads, past)
+            if own[first - past :] != list(range(first - pads, width - pads)):
+                return None
+        elif pads and own[pads:] == list(range(pads, width)):  # they count the padding: _read_once repairs them
+            return None
+    return _new(Settled, (positions, True, None, (), ()))
 
 
 # -- steps that read nothing -------------------------------------------------------------------------------------

@@ -589,18 +589,20 @@ if given is not None:
 
 def test_positions_generate_passes_take_the_fast_path(model, monkeypatch):
     """A prefill and a chunk given the mask's positions, the way transformers' generate and a careful loop pass them,
-    are read by :func:`read_given` and passed on as they are; positions that count a row's padding on a prefill, or
-    are off at a real token of a chunk, go to the general path, which repairs them."""
+    are read by :func:`read_given` and passed on as they are by :func:`plain_forward`; positions that count a row's
+    padding on a prefill, or are off at a real token of a chunk, go to the general path, which repairs them."""
     taken = []
-    real = _values.read_given
+    real = _wrappers.plain_forward
 
     def spy(*args):
         result = real(*args)
-        taken.append(None if result is None else result.positions is args[1])
+        kwargs = args[2]
+        if kwargs.get("position_ids") is not None:  # (the forwards that build the caches pass none)
+            settled = result[0]
+            taken.append(None if settled is None else settled.positions is kwargs["position_ids"])
         return result
 
-    monkeypatch.setattr(_values, "read_given", spy)
-    monkeypatch.setattr(_wrappers, "read_given", spy)
+    monkeypatch.setattr(_wrappers, "plain_forward", spy)
     ids, mask = left_padded_batch([5, 3])
     positions = reference_positions(mask)
     with torch.no_grad(), warnings.catch_warnings():
@@ -654,6 +656,23 @@ def test_given_positions_of_another_shape_or_dtype_are_aligned_as_the_general_pa
     for one, other in zip(fast, general):
         torch.testing.assert_close(one, other, rtol=0, atol=0)
     assert fast_steps == steps
+
+
+def test_given_positions_of_a_batch_of_no_rows_are_passed_on_as_the_general_path_passes_them():
+    """A prefill of no rows, with a mask and positions of no rows: nothing to read or compare (the general path
+    reads nothing either), and the model gives the general path's outcome."""
+    ids = torch.ones(0, 5, dtype=torch.long)
+    positions = torch.ones(0, 5, dtype=torch.long)
+    assert _values.read_given(ids, positions, torch.ones_like(ids)).positions is positions
+    chunk = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": positions}
+    model = _chunk_model("gpt_neo")
+    (fast, fast_warned, _), (general, warned, _) = (run_outcome(model, None, dict(chunk), on) for on in (True, False))
+    assert fast_warned == warned and len(fast) == len(general)
+    for one, other in zip(fast, general):
+        if isinstance(other, tuple):
+            assert one == other
+        else:
+            torch.testing.assert_close(one, other, rtol=0, atol=0)
 
 
 def test_the_range_of_given_positions_is_left_to_the_embedding(model, monkeypatch):

@@ -333,3 +333,34 @@ def test_static_caches_are_probed_right():
 
     if TF_RELEASE <= (4, 53) or TF_RELEASE >= (4, 57):
         assert has("static caches") == (TF_RELEASE >= (4, 57))
+
+
+def test_a_prompt_of_embeddings_is_counted_as_the_prompt(model, prompt):
+    """``generate(inputs_embeds=...)``: the embeddings' 58 tokens are the prompt, as 58 token ids would be, so the step
+    that would pass the table is told after them.  Releases whose GPT-Neo cannot generate from embeddings (4.26 -
+    4.30 refuse it with a ValueError) refuse it patched in the same words."""
+    embeds = model.get_input_embeddings()(prompt).detach()
+    call = lambda: model.generate(  # noqa: E731
+        inputs_embeds=embeds, max_new_tokens=10, eos_token_id=None, do_sample=False, pad_token_id=0
+    )
+    (patched, steps), (plain, plain_steps) = both(model, call)
+    if isinstance(plain, ValueError) and "inputs_embeds" in str(plain):  # measured: this release cannot
+        assert type(patched) is type(plain) and str(patched) == str(plain) and steps == plain_steps == 0
+        return
+    assert isinstance(plain, IndexError) and "index out of range in self" in str(plain)
+    assert isinstance(patched, neofix.SequenceTooLongError), patched
+    assert steps == plain_steps == 64 - PROMPT + 2  # the prefill, the 7 steps that fit, and the failing one
+    assert "generate produced 7 new tokens after the 58-token prompt" in str(patched)
+    assert "at most 7 new tokens fit after this prompt. Pass max_new_tokens=7 or fewer" in str(patched)
+
+
+@pytest.mark.parametrize("shape", ["one dimension", "no dimension", "a list"])
+def test_a_prompt_that_is_not_a_batch_of_tensors_fails_as_vanilla_fails(model, prompt, shape):
+    """generate given a 1-D prompt (no batch dimension), a 0-D one, or a Python list: every release fails inside
+    generate with an error of its own words (4.30, a 1-D prompt: after a forward); patched, the same error in the
+    same words, after as many forwards."""
+    given = {"one dimension": prompt[0], "no dimension": prompt[0, 0], "a list": prompt.tolist()}[shape]
+    call = lambda: model.generate(given, max_new_tokens=3, do_sample=False, pad_token_id=0)  # noqa: E731
+    (patched, steps), (plain, plain_steps) = both(model, call)
+    assert isinstance(plain, Exception) and steps == plain_steps
+    assert type(patched) is type(plain) and str(patched) == str(plain)

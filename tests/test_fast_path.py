@@ -528,6 +528,23 @@ def run_outcome(model, prefill, chunk, fast):
     return results, [str(w.message) for w in caught], list(steps)
 
 
+def assert_same_outcome(model, prefill, chunk):
+    """``chunk`` (after ``prefill``) and a decode step after it give, by the fast path and by the general path, the
+    same logits or the same error in the same words, the same warnings, and (where every call ran) the same trace
+    records.  Returns the general path's results (logits, or ``(error class, words)`` last)."""
+    (fast, fast_warned, fast_steps), (general, warned, steps) = (
+        run_outcome(model, prefill, dict(chunk), on) for on in (True, False)
+    )
+    assert fast_warned == warned and len(fast) == len(general)
+    for one, other in zip(fast, general):
+        if isinstance(other, tuple):  # refused: the same error, in the same words
+            assert isinstance(one, tuple) and one == other
+            return general
+        torch.testing.assert_close(one, other, rtol=0, atol=0, equal_nan=True)  # all-pad rows: NaN
+    assert fast_steps == steps
+    return general
+
+
 if given is not None:
 
     @pytest.mark.parametrize("family", GIVEN_FAMILIES)
@@ -573,18 +590,9 @@ if given is not None:
             prefill = {"input_ids": ids[:, :past], "attention_mask": mask[:, :past].clamp(max=1), "use_cache": True}
         neofix.configure(mode="strict" if strict else "repair")
         try:
-            (fast, fast_warned, fast_steps), (general, warned, steps) = (
-                run_outcome(model, prefill, dict(chunk), fast) for fast in (True, False)
-            )
+            assert_same_outcome(model, prefill, chunk)
         finally:
             neofix.configure(mode="repair")
-        assert fast_warned == warned and len(fast) == len(general)
-        for one, other in zip(fast, general):
-            if isinstance(other, tuple):  # refused: the same error, in the same words
-                assert one == other
-                return
-            torch.testing.assert_close(one, other, rtol=0, atol=0, equal_nan=True)  # all-pad rows: NaN
-        assert fast_steps == steps
 
 
 def test_positions_generate_passes_take_the_fast_path(model, monkeypatch):
@@ -647,15 +655,11 @@ def test_given_positions_of_another_shape_or_dtype_are_aligned_as_the_general_pa
     }[shape]
     chunk = {"input_ids": ids[:, past:], "attention_mask": mask, "position_ids": given}
     prefill = {"input_ids": ids[:, :past], "attention_mask": mask[:, :past], "use_cache": True} if past else None
-    outcomes = [run_outcome(model, prefill, dict(chunk), fast) for fast in (True, False)]
-    (fast, fast_warned, fast_steps), (general, warned, steps) = outcomes
-    assert fast_warned == warned and len(fast) == len(general)
-    if error is not None:
-        assert isinstance(general[0], tuple) and issubclass(general[0][0], error) and fast[0] == general[0]
-        return
-    for one, other in zip(fast, general):
-        torch.testing.assert_close(one, other, rtol=0, atol=0)
-    assert fast_steps == steps
+    general = assert_same_outcome(model, prefill, chunk)
+    if error is None:
+        assert not any(isinstance(result, tuple) for result in general)  # the forward and the step ran
+    else:
+        assert isinstance(general[0], tuple) and issubclass(general[0][0], error)
 
 
 def test_given_positions_of_a_batch_of_no_rows_are_passed_on_as_the_general_path_passes_them():
@@ -665,14 +669,7 @@ def test_given_positions_of_a_batch_of_no_rows_are_passed_on_as_the_general_path
     positions = torch.ones(0, 5, dtype=torch.long)
     assert _values.read_given(ids, positions, torch.ones_like(ids)).positions is positions
     chunk = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": positions}
-    model = _chunk_model("gpt_neo")
-    (fast, fast_warned, _), (general, warned, _) = (run_outcome(model, None, dict(chunk), on) for on in (True, False))
-    assert fast_warned == warned and len(fast) == len(general)
-    for one, other in zip(fast, general):
-        if isinstance(other, tuple):
-            assert one == other
-        else:
-            torch.testing.assert_close(one, other, rtol=0, atol=0)
+    assert_same_outcome(_chunk_model("gpt_neo"), None, chunk)
 
 
 def test_the_range_of_given_positions_is_left_to_the_embedding(model, monkeypatch):

@@ -6,7 +6,7 @@ Run from the repository root with the environment neofix is installed in (needs 
     python benchmarks/bench_instructions.py --models tiny,125m --kinds prefill --calls 2
     python benchmarks/bench_instructions.py --help
 
-The forward kinds and shapes are those of ``bench_forward.py``.  The script runs itself under
+The forward kinds (all six) and shapes are those of ``bench_forward.py``.  The script runs itself under
 ``valgrind --tool=callgrind`` with collection off, and a three-function shim (compiled once with gcc against
 valgrind's headers) switches it on only around what is counted, in two phases over the same calls:
 
@@ -50,7 +50,7 @@ void neofix_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
 void neofix_start(void) { CALLGRIND_START_INSTRUMENTATION; }
 """
 TARGETS = {"tiny": 1.02, "125m": 1.005}
-KINDS = ("prefill", "chunked prefill", "training step", "classification")
+KINDS = ("prefill", "chunked prefill", "training step", "classification", "prefill+positions", "chunk+positions")
 
 
 def build_shim(folder: Path) -> Path:
@@ -123,20 +123,29 @@ def inner(args: argparse.Namespace) -> None:
                 cg.neofix_toggle()
 
     def call_of(kind: str, model: Any, classifier: Any, ids: Any, mask: Any) -> Callable[[str], None]:
-        if kind == "prefill":
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # the caller's, as in bench_forward.py
+        if kind in ("prefill", "prefill+positions"):
+            given = {"position_ids": positions} if kind == "prefill+positions" else {}
+
             def call(phase: str) -> None:
                 with torch.no_grad(), counted(phase):
-                    model(input_ids=ids, attention_mask=mask, use_cache=True)
-        elif kind == "chunked prefill":
+                    model(input_ids=ids, attention_mask=mask, use_cache=True, **given)
+        elif kind in ("chunked prefill", "chunk+positions"):
             half = ids.shape[1] // 2
             keyword = "cache" if "cache" in original.__code__.co_varnames else "past_key_values"
+            given = kind == "chunk+positions"
+            start_given = {"position_ids": positions[:, :half]} if given else {}
+            given_after = {"position_ids": positions[:, half:]} if given else {}
 
             def call(phase: str) -> None:
                 with torch.no_grad():
-                    first = model(input_ids=ids[:, :half], attention_mask=mask[:, :half], use_cache=True)
+                    first = model(input_ids=ids[:, :half], attention_mask=mask[:, :half], use_cache=True, **start_given)
                     cache = first["cache"] if "cache" in first.keys() else first["past_key_values"]
                     with counted(phase):
-                        model(input_ids=ids[:, half:], attention_mask=mask, use_cache=True, **{keyword: cache})
+                        model(
+                            input_ids=ids[:, half:], attention_mask=mask, use_cache=True, **{keyword: cache},
+                            **given_after,
+                        )
         elif kind == "training step":
             labels = ids.masked_fill(mask == 0, -100)
 
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
     header = (
-        f"{'kind':16} {'model':5} {'shape':>6} {'padding':>11}  {'own Ir':>8} {'L1 miss':>7} {'own cycles':>10}  "
+        f"{'kind':18} {'model':5} {'shape':>6} {'padding':>11}  {'own Ir':>8} {'L1 miss':>7} {'own cycles':>10}  "
         f"{'vanilla cycles':>14}  {'1+own/vanilla':>13}  target"
     )
     print(header)
@@ -261,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "PASS" if ratio <= TARGETS[name] else "MISS"
             compared = f"{vanilla['cycles'] / 1e6:13.2f}M  {ratio:13.4f}  {verdict} <= {TARGETS[name]}"
         print(
-            f"{kind:16} {name:5} {shape:>6} {'left-padded' if padded == '1' else 'unpadded':>11}  "
+            f"{kind:18} {name:5} {shape:>6} {'left-padded' if padded == '1' else 'unpadded':>11}  "
             f"{own['ir'] / 1e3:7.1f}k {own['l1']:7.0f} {own['cycles'] / 1e3:9.1f}k  {compared}"
         )
     return 0

@@ -43,6 +43,8 @@ from ._errors import (
 )
 from ._reports import StepInfo
 
+_LONG = torch.long
+
 #: Marks every function neofix installs (``neofix.trace`` tells a patched model by it).
 MARK = "__neofix_wrapper__"
 
@@ -269,8 +271,15 @@ def plain_forward(
         view = adapter.read_cache(cache, layers)
         past = view[0]  # length
     mask_shape = mask.shape
-    if not past or len(mask_shape) != 2 or mask_shape[0] != shape[0] or not shapes_fit(
-        past, input_ids, shape, mask, mask_shape
+    # what shapes_fit checks of a chunk (a mask over the cached and new tokens), and the mask's rows: inlined
+    if (
+        not past
+        or len(mask_shape) != 2
+        or mask_shape[0] != shape[0]
+        or mask_shape[1] != past + shape[1]
+        or shape[1] < 2
+        or input_ids.dtype != _LONG
+        or mask.dtype != _LONG
     ):
         return None, 0
     if view is not None:

@@ -10,6 +10,7 @@ compared with the mask's on the device and repaired there (``torch.where``), and
 
 from __future__ import annotations
 
+import array
 import operator
 from typing import Any, NamedTuple
 
@@ -155,6 +156,42 @@ def _row_padding(rows: list[list[int]], real: list[int], width: int) -> tuple[bo
 
 _count_ones = operator.methodcaller("count", 1)
 
+#: ``(counts, counts as int64 memory, zeros as int64 memory)``: 0, 1, 2, ... and 0, 0, 0, ..., as long as the widest
+#: mask read so far, sliced for each row's positions (see :func:`_counting`).
+_COUNTING: tuple[list[int], memoryview, memoryview] = ([], memoryview(array.array("q")), memoryview(array.array("q")))
+
+
+def _counting(width: int) -> tuple[list[int], memoryview, memoryview]:
+    """:data:`_COUNTING`, at least ``width`` long.  Grown by rebinding, never in place: a thread reading the old one
+    reads the right values.  It holds about 50 bytes per column of the widest mask seen."""
+    global _COUNTING
+    counting = _COUNTING
+    if len(counting[0]) < width:
+        size = max(width, 2 * len(counting[0]), 64)
+        counting = _COUNTING = (
+            list(range(size)),
+            memoryview(array.array("q", range(size))),
+            memoryview(array.array("q", bytes(8 * size))),
+        )
+    return counting
+
+
+def _positions_of_pads(pads_of: list[int], past: int, width: int) -> torch.Tensor:
+    """The positions of the new tokens (columns ``past`` on, of a mask ``width`` wide) of rows of pads then real
+    tokens, ``pads_of`` pads each (one or more rows): 0 for a pad, and for a real token the count of real tokens
+    before it.  What ``cumsum`` computes, built from the mask read as lists: the rows' runs of int64 memory joined,
+    then one ``frombuffer`` and a ``view`` (right after a forward, a quarter cheaper than ``cumsum`` and a slice,
+    which cost about as much as each other; ``torch.tensor`` of lists costs twice as much)."""
+    _, counts, zeros = _counting(width)
+    parts = []
+    for pads in pads_of:
+        if pads > past:  # pads among the new tokens: 0 each, then the row counts from 0
+            parts.append(zeros[: pads - past])
+            parts.append(counts[: width - pads])
+        else:
+            parts.append(counts[past - pads : width - pads])
+    return torch.frombuffer(bytearray().join(parts), dtype=torch.long).view(len(pads_of), width - past)
+
 #: Read CPU tensors' reductions one by one (tests turn it off to run the path accelerators take, on the CPU).
 READ_SCALARS_ON_CPU = True
 
@@ -227,22 +264,28 @@ def read_prefill(
         # The usual masks in one pass: each row all real tokens, or pads then real tokens (left padding)
         left = after = False
         right_padded: tuple[int, ...] = ()
+        pads_of = []  # per row: its pads, where every row is pads then real tokens (or pads only)
         for row in rows:
             ones = row.count(1)
             if ones == width:
+                pads_of.append(0)
                 continue
             if not ones or row.count(0) + ones != width or row.index(1) != width - ones:
                 # a row of pads only, a pad after a real token, or a value neither 0 nor 1: searched row by row
-                padding = _row_padding(rows, list(map(_count_ones, rows)), width)
+                real = list(map(_count_ones, rows))
+                padding = _row_padding(rows, real, width)
                 if padding is None:
                     _raise_mask_value_error(mask)
                 left, after, right_padded = padding  # type: ignore[misc]
+                pads_of = [width - ones for ones in real]
                 break
+            pads_of.append(width - ones)
             left = True
         else:
             if not left:  # every token real: nothing else to learn
                 return _UNCHANGED
     else:
+        pads_of = None  # positions are derived with torch operations, from the mask on its device
         batch = input_ids.shape[0]
         if not batch:  # no rows: nothing to read (a reduction over nothing raises), nothing to derive
             return _UNCHANGED
@@ -278,9 +321,11 @@ def read_prefill(
     if after:  # keep transformers' positions for pads after a row's last real token
         return Settled(_mask_positions(mask, input_ids.shape[-1], past, None), True, None, right_padded, (derived,))
     # Every row is pads then real tokens: a real token's position is the count of real tokens before it, and a pad's
-    # (before the first real token) 0: ``(cumsum - 1).clamp(min=0)`` is the cumsum one column earlier.  A prefill
-    # has no column before its first: ``cumsum - mask`` (a fresh tensor, changed in place).  A chunk: the cumsum's
-    # columns from the last cached one, a view.
+    # (before the first real token) 0.  On the CPU, built from the lists; elsewhere ``(cumsum - 1).clamp(min=0)``,
+    # which is the cumsum one column earlier.  A prefill has no column before its first: ``cumsum - mask`` (a fresh
+    # tensor, changed in place).  A chunk: the cumsum's columns from the last cached one, a view.
+    if pads_of is not None:
+        return _new(Settled, (_positions_of_pads(pads_of, past, width), True, None, right_padded, (derived,)))
     counted = mask.cumsum(-1)
     # (a slice: Python's basic indexing costs half of ``narrow`` right after a forward; the mask is past + new wide)
     positions = counted[:, past - 1 : -1] if past else counted.sub_(mask)
@@ -290,12 +335,8 @@ def read_prefill(
 def given_fits(positions: Any, shape: Any) -> bool:
     """Whether :func:`read_given` may take these caller's positions for ``input_ids`` of ``shape``: long, 2D, one
     row or one per input row, a column per new token (shapes and dtypes only)."""
-    return (
-        positions.dtype == torch.long
-        and positions.dim() == 2
-        and positions.shape[1] == shape[1]
-        and positions.shape[0] in (1, shape[0])
-    )
+    given = positions.shape  # (read once: each read builds a torch.Size)
+    return len(given) == 2 and given[1] == shape[1] and given[0] in (1, shape[0]) and positions.dtype == torch.long
 
 
 def read_given(input_ids: torch.Tensor, positions: torch.Tensor, mask: Any, past: int = 0) -> Settled | None:
@@ -330,14 +371,22 @@ def read_given(input_ids: torch.Tensor, positions: torch.Tensor, mask: Any, past
     if not past and not any(pads_of):  # every token real, at its column: any position in the table
         return _new(Settled, (positions, True, None, (), ()))
     given = positions.tolist()  # the one read of the positions
+    counts = _counting(width)[0]
+    if past and max(pads_of, default=0) <= past:
+        # the usual chunk, every new token real: each row counts on from its cached real tokens (one comparison of
+        # the lists of lists, at C speed)
+        want = [counts[past - pads : width - pads] for pads in pads_of]
+        if given != want and given * len(want) != want:  # one row of positions per row, or one for every row
+            return None
+        return _new(Settled, (positions, True, None, (), ()))
     shared = given[0] if len(given) == 1 else None  # one row of positions for every row
     for index, pads in enumerate(pads_of):
         own = given[index] if shared is None else shared
         if past:  # the real new tokens (from column max(pads, past)) count from 0 at the row's first real token
             first = max(pads, past)
-            if own[first - past :] != list(range(first - pads, width - pads)):
+            if own[first - past :] != counts[first - pads : width - pads]:
                 return None
-        elif pads and own[pads:] == list(range(pads, width)):  # they count the padding: _read_once repairs them
+        elif pads and own[pads:] == counts[pads:width]:  # they count the padding: _read_once repairs them
             return None
     return _new(Settled, (positions, True, None, (), ()))
 

@@ -429,6 +429,54 @@ def test_chunks_with_a_wrong_mask_are_refused_as_align_refuses_them(model, mask,
             model(input_ids=ids[:, 3:], attention_mask=mask, **{cache_keyword(): cache})
 
 
+@pytest.mark.parametrize("scalars", [True, False], ids=["cpu", "accelerator"])
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        ("float ids", neofix.TokenIdError),
+        ("int32 ids", None),
+        ("bool mask", None),
+        ("float mask", None),
+        ("3D mask", neofix.MaskLengthError),  # as wide as the cached and new tokens in its second dimension
+    ],
+)
+def test_chunks_of_other_dtypes_give_the_general_paths_outcome(monkeypatch, change, error, scalars):
+    """A chunk whose ids are not long, or whose mask is not a long 2D one, is left to the general path (whose reads
+    take them), on the CPU and on the path accelerators take: the model gives the general path's outcome."""
+    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", scalars)
+    ids, mask = left_padded_batch([5, 3])
+    chunk = {
+        "float ids": {"input_ids": ids[:, 2:].float(), "attention_mask": mask},
+        "int32 ids": {"input_ids": ids[:, 2:].int(), "attention_mask": mask},
+        "bool mask": {"input_ids": ids[:, 2:], "attention_mask": mask.bool()},
+        "float mask": {"input_ids": ids[:, 2:], "attention_mask": mask.float()},
+        "3D mask": {"input_ids": ids[:, 2:], "attention_mask": mask[:, :, None]},
+    }[change]
+    prefill = {"input_ids": ids[:, :2], "attention_mask": mask[:, :2], "use_cache": True}
+    general = assert_same_outcome(_chunk_model("gpt_neo"), prefill, chunk)
+    if error is None:
+        assert not any(isinstance(result, tuple) for result in general)  # the chunk and the step ran
+    else:
+        assert isinstance(general[0], tuple) and issubclass(general[0][0], error)
+
+
+def test_positions_of_masks_wider_than_any_before_are_the_masks(monkeypatch):
+    """The counts left-padded positions are cut from grow with the widest mask read (from none, here, to a mask of
+    300 columns, then 700): each prefill's and chunk's positions are the mask's."""
+    monkeypatch.setattr(_values, "_COUNTING", ([], memoryview(b""), memoryview(b"")))
+    limits = Limits(max_positions=2048, vocab_size=96, hidden_size=32)
+    for width in (5, 300, 700):
+        mask = torch.ones(3, width, dtype=torch.long)
+        mask[1, : width // 3] = 0
+        mask[2, : width - 1] = 0
+        ids = torch.ones_like(mask)
+        want = reference_positions(mask)
+        for past in (0, 1, width // 2, width - 2):
+            settled = _values.read_prefill(ids[:, past:], mask, limits, past=past)
+            assert settled.positions.is_contiguous()
+            assert torch.equal(settled.positions, want[:, past:]), (width, past)
+
+
 CHUNK_FAMILIES = ["gpt_neo", "gptj", "opt", "bloom"]  # absolute, rotary, positions from the mask, no positions
 _CHUNK_MODELS: dict = {}
 
@@ -623,7 +671,10 @@ def test_positions_generate_passes_take_the_fast_path(model, monkeypatch):
         model(input_ids=ids[:, 3:], attention_mask=mask, position_ids=positions[:, 3:] + 1, **{cache_keyword(): cache})
         cache = output_cache(model(input_ids=ids[:, :1], attention_mask=mask[:, :1], use_cache=True))
         model(input_ids=ids[:, 1:], attention_mask=mask, position_ids=positions[:, 1:], **{cache_keyword(): cache})
-    assert taken == [True, None, True, None, True]  # the last: row 1's real tokens begin inside the chunk
+        full = torch.ones_like(mask)  # every token real: one row of positions serves every row
+        cache = output_cache(model(input_ids=ids[:, :3], attention_mask=full[:, :3], use_cache=True))
+        model(input_ids=ids[:, 3:], attention_mask=full, position_ids=torch.arange(3, 5)[None], **{cache_keyword(): cache})
+    assert taken == [True, None, True, None, True, True]  # the fifth: row 1's real tokens begin inside the chunk
 
 
 @pytest.mark.parametrize(
@@ -635,6 +686,7 @@ def test_positions_generate_passes_take_the_fast_path(model, monkeypatch):
         ("int32", None),
         ("cached and new", None),  # as long as the cached and new tokens: the new tokens' are taken
         ("a column more", None),  # another length: derived from the mask instead
+        ("three dimensions", neofix.PositionError),
     ],
 )
 @pytest.mark.parametrize("past", [0, 2])
@@ -652,6 +704,7 @@ def test_given_positions_of_another_shape_or_dtype_are_aligned_as_the_general_pa
         "int32": new.int(),
         "cached and new": positions,
         "a column more": F.pad(new, (0, 1)),
+        "three dimensions": new[:, :, None],
     }[shape]
     chunk = {"input_ids": ids[:, past:], "attention_mask": mask, "position_ids": given}
     prefill = {"input_ids": ids[:, :past], "attention_mask": mask[:, :past], "use_cache": True} if past else None

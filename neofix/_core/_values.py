@@ -249,10 +249,10 @@ def read_prefill(
     in place: ``aminmax`` and two ``item()`` about 40, ``tolist()`` of a 2 x 32 mask about 5): the mask is read once
     as lists and searched at C speed (:func:`_row_padding`), and token ids are left to the embedding, whose
     ``IndexError`` the model forward explains.  NumPy, a byte comparison of the tensor's memory (ctypes), and
-    left-padded positions built from the lists (``torch.tensor`` of them costs more than ``cumsum``) were tried and
-    cost more there.  Elsewhere torch operations and one read.  Returns positions ``None`` where transformers' own
-    are the mask's already (no left padding).  The repair it may add (``positions_derived``, warned once on a
-    prefill) is in the returned ``repairs``.
+    ``torch.tensor`` of lists were tried and cost more there; a left-padded batch's positions are built from the
+    lists as int64 memory (:func:`_positions_of_pads`), which costs less than ``cumsum``.  Elsewhere torch operations
+    and one read.  Returns positions ``None`` where transformers' own are the mask's already (no left padding).  The
+    repair it may add (``positions_derived``, warned once on a prefill) is in the returned ``repairs``.
     """
     if READ_SCALARS_ON_CPU and _on_cpu(input_ids) and (mask is None or _on_cpu(mask)):
         # Token ids are not read here: on the CPU an id outside the vocabulary raises IndexError in the embedding

@@ -463,7 +463,7 @@ def test_chunks_of_other_dtypes_give_the_general_paths_outcome(monkeypatch, chan
 def test_positions_of_masks_wider_than_any_before_are_the_masks(monkeypatch):
     """The counts left-padded positions are cut from grow with the widest mask read (from none, here, to a mask of
     300 columns, then 700): each prefill's and chunk's positions are the mask's."""
-    monkeypatch.setattr(_values, "_COUNTING", ([], memoryview(b""), memoryview(b"")))
+    monkeypatch.setattr(_values, "_COUNTING", ([], *_values._COUNTING[1:]))  # as at import: nothing read yet
     limits = Limits(max_positions=2048, vocab_size=96, hidden_size=32)
     for width in (5, 300, 700):
         mask = torch.ones(3, width, dtype=torch.long)

@@ -31,7 +31,7 @@ from ._compat import STEPPING_ASIDE, is_tracing, positional_names, tracer
 from ._config import settings
 from ._core import Aligned, Limits, Policy, StepInputs, align, derive_positions, explain_index_error, step_unchanged
 from ._core._align import check_cache
-from ._core._values import COMPARED_KINDS, given_fits, read_given, read_prefill, shapes_fit
+from ._core._values import COMPARED_KINDS, given_fits, read_chunk, read_given, read_prefill, shapes_fit
 from ._errors import (
     AttentionWindowError,
     InputShapeError,
@@ -225,9 +225,10 @@ def plain_forward(
     """The values of a forward given ``input_ids`` and a 2D mask (or none), and no token types, embeddings or
     ``cache_position``: without a cache (the usual training, scoring and classification call, and a loop's first
     forward), or a chunk of two or more tokens after a cache whose every layer holds the same ``p`` tokens of the same
-    rows, with a mask over the ``p`` cached and the new tokens.  Without positions, read by
+    rows, with a mask over the ``p`` cached and the new tokens.  A prefill without positions is read by
     :func:`~neofix._core.read_prefill`; with the caller's (for the families whose positions ``align`` compares with
-    the mask), by :func:`~neofix._core._values.read_given`, which passes them on only where every check passes.  As
+    the mask), by :func:`~neofix._core._values.read_given`, which passes them on only where every check passes.  A
+    chunk by :func:`~neofix._core._values.read_chunk` (the usual masks on the CPU), else as a prefill.  As
     :func:`~neofix._core.align` would read them: ``(settled, p)`` (``p`` 0 without a cache), or ``(None, 0)`` for any
     other call, and for any call ``align`` would refuse, repair or read differently (the general path aligns those,
     and says what is wrong).  Shapes are checked first, from the call's arguments alone.  Positions are derived from
@@ -284,10 +285,13 @@ def plain_forward(
         return None, 0
     if view is not None:
         check_cache(view, shape[0], shape[1], limits)  # what align checks (and raises) before it reads a value
-    if given is not None:
-        settled = read_given(input_ids, given, mask, past)
-        return (None, 0) if settled is None else (settled, past)
-    return read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive), past
+    settled = read_chunk(input_ids, mask, given, past, derive)
+    if settled is None:
+        if given is not None:
+            return None, 0
+        # an accelerator (its reads are torch operations), or a mask of right padding, a gap or other values
+        settled = read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive)
+    return settled, past
 
 
 def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple, kwargs: dict, adapter: Any) -> Any:

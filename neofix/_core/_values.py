@@ -75,6 +75,9 @@ _new = tuple.__new__
 
 #: A chunk's positions derived from the mask: said at prefill (a chunk continues the rows as they are), so silent.
 _DERIVED_IN_CHUNK = Repair(POSITIONS_DERIVED, "")
+_DERIVED_IN_CHUNK_ONLY = (_DERIVED_IN_CHUNK,)
+#: What :func:`read_chunk` settles a chunk to whose positions transformers makes right (and any a family makes).
+_CHUNK_UNCHANGED = Settled(None, True, None, ())
 
 
 def settle(
@@ -338,14 +341,13 @@ def given_fits(positions: Any, shape: Any) -> bool:
     return len(given) == 2 and given[1] == shape[1] and given[0] in (1, shape[0]) and positions.dtype == torch.long
 
 
-def read_given(input_ids: torch.Tensor, positions: torch.Tensor, mask: Any, past: int = 0) -> Settled | None:
-    """The value checks of :func:`_read_once` for the caller's positions on the CPU, where they all pass: a prefill
-    or a chunk after ``past`` cached tokens, positions that :func:`given_fits`, and a 2D long mask over the cached
-    and new tokens (or none on a prefill).  Returns the positions unchanged, or ``None`` wherever ``_read_once``
-    could say or change anything (the general path then does, in its words): on an accelerator (where reading is a
-    synchronisation), a mask with a row that is neither all real tokens nor pads then real tokens (right padding, a
-    gap, a row of pads, a value neither 0 nor 1), a prefill row whose positions count its left padding (``arange``),
-    a chunk's real token whose position is not the mask's.
+def read_given(input_ids: torch.Tensor, positions: torch.Tensor, mask: Any) -> Settled | None:
+    """The value checks of :func:`_read_once` for the caller's positions on a prefill on the CPU, where they all
+    pass: positions that :func:`given_fits`, and a 2D long mask as wide as the ids (or none).  Returns the positions
+    unchanged, or ``None`` wherever ``_read_once`` could say or change anything (the general path then does, in its
+    words): on an accelerator (where reading is a synchronisation), a mask with a row that is neither all real tokens
+    nor pads then real tokens (right padding, a gap, a row of pads, a value neither 0 nor 1), a row whose positions
+    count its left padding (``arange``).  A chunk after a cache: :func:`read_chunk`.
 
     A torch operation costs tens of microseconds right after a forward on the CPU: the mask and the positions are
     read with one ``tolist()`` each, and searched at C speed (list comparisons), as :func:`read_prefill` reads the
@@ -357,37 +359,80 @@ def read_given(input_ids: torch.Tensor, positions: torch.Tensor, mask: Any, past
     """
     if not (READ_SCALARS_ON_CPU and _on_cpu(input_ids) and _on_cpu(positions) and (mask is None or _on_cpu(mask))):
         return None
-    pads_of: list[int] = []  # per row: its pads (before its real tokens)
-    if mask is not None:
-        rows = mask.tolist()  # the one read of the mask
-        width = len(rows[0]) if rows else 0
-        for row in rows:
-            ones = row.count(1)
-            pads = width - ones
-            if pads and (not ones or row.count(0) != pads or row.index(1) != pads):
-                return None  # a row of pads, a pad after a real token, or a value neither 0 nor 1
-            pads_of.append(pads)
-    if not past and not any(pads_of):  # every token real, at its column: any position in the table
+    if mask is None:  # every token real, at its column: any position in the table
         return _new(Settled, (positions, True, None, (), ()))
-    given = positions.tolist()  # the one read of the positions
-    counts = _counting(width)[0]
-    if past and max(pads_of, default=0) <= past:
-        # the usual chunk, every new token real: each row counts on from its cached real tokens (one comparison of
-        # the lists of lists, at C speed)
-        want = [counts[past - pads : width - pads] for pads in pads_of]
-        if given != want and given * len(want) != want:  # one row of positions per row, or one for every row
-            return None
-        return _new(Settled, (positions, True, None, (), ()))
-    shared = given[0] if len(given) == 1 else None  # one row of positions for every row
-    for index, pads in enumerate(pads_of):
-        own = given[index] if shared is None else shared
-        if past:  # the real new tokens (from column max(pads, past)) count from 0 at the row's first real token
-            first = max(pads, past)
-            if own[first - past :] != counts[first - pads : width - pads]:
+    pads_of = _left_pads(mask.tolist())  # the one read of the mask
+    if pads_of is None:
+        return None
+    if any(pads_of):
+        given = positions.tolist()  # the one read of the positions
+        shared = given[0] if len(given) == 1 else None  # one row of positions for every row
+        counts = _counting(len(given[0]))[0]
+        for index, pads in enumerate(pads_of):
+            own = given[index] if shared is None else shared
+            if pads and own[pads:] == counts[pads : len(own)]:  # they count the padding: _read_once repairs them
                 return None
-        elif pads and own[pads:] == counts[pads:width]:  # they count the padding: _read_once repairs them
-            return None
     return _new(Settled, (positions, True, None, (), ()))
+
+
+def _left_pads(rows: list[list[int]]) -> list[int] | None:
+    """Each row's pads, where every row of a mask read as lists is real tokens, or pads then real tokens (at least
+    one); else ``None`` (right padding, a gap, a row of pads, a value neither 0 nor 1)."""
+    width = len(rows[0]) if rows else 0
+    pads_of = []
+    for row in rows:
+        pads = width - row.count(1)
+        if pads and (pads == width or row.count(0) != pads or row.index(1) != pads):
+            return None
+        pads_of.append(pads)
+    return pads_of
+
+
+def read_chunk(input_ids: torch.Tensor, mask: torch.Tensor, given: Any, past: int, derive: bool = True) -> Settled | None:
+    """A chunk of a prompt on the CPU: two or more new tokens after ``past`` cached ones, with a long 2D mask over
+    the cached and new tokens whose every row is real tokens, or pads then real tokens, and the caller's positions
+    that :func:`given_fits`, or none (shapes and dtypes are the caller's to check).  What :func:`_read_once` would
+    settle it to: the given positions unchanged where each row's real new tokens sit at the mask's positions; none
+    given, positions derived from a left-padded mask (for the families that take absolute ones, ``derive``; silent:
+    said at prefill), built from the lists (:func:`_positions_of_pads`); ``None`` for anything else, which the
+    caller reads or aligns the general way (an accelerator, another mask, positions other than the mask's).  Token
+    ids and the range of positions are left to the embedding, as in :func:`read_prefill` and :func:`read_given`.
+
+    After the decode step the most frequent forward, in one function: each call, torch operation or line of Python
+    costs several times as much right after a forward (its code has gone cold) as it does warm.
+    """
+    if not (READ_SCALARS_ON_CPU and input_ids.is_cpu and mask.is_cpu and (given is None or given.is_cpu)):
+        return None
+    rows = mask.tolist()  # the one read of the mask
+    width = len(rows[0]) if rows else 0
+    pads_of = []
+    padded = False
+    for row in rows:  # (what _left_pads does, inlined)
+        pads = width - row.count(1)
+        if pads:
+            if pads == width or row.count(0) != pads or row.index(1) != pads:
+                return None
+            padded = True
+        pads_of.append(pads)
+    if given is None:
+        if not padded or not derive:  # every real token at its column: transformers' own positions are the mask's
+            return _CHUNK_UNCHANGED
+        return _new(Settled, (_positions_of_pads(pads_of, past, width), True, None, (), _DERIVED_IN_CHUNK_ONLY))
+    values = given.tolist()  # the one read of the positions
+    counts = _COUNTING[0]
+    if len(counts) < width:
+        counts = _counting(width)[0]
+    if not padded:  # each row (or the one shared by every row) counts on from the cache: one comparison at C speed
+        if values.count(counts[past:width]) != len(values):
+            return None
+        return _new(Settled, (given, True, None, (), ()))
+    shared = values[0] if len(values) == 1 else None  # one row of positions for every row
+    for index, pads in enumerate(pads_of):
+        # a row's real new tokens (from column max(pads, past)) count from 0 at its first real token
+        first = pads if pads > past else past
+        if (values[index] if shared is None else shared)[first - past :] != counts[first - pads : width - pads]:
+            return None
+    return _new(Settled, (given, True, None, (), ()))
 
 
 # -- steps that read nothing -------------------------------------------------------------------------------------

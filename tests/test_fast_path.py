@@ -497,6 +497,9 @@ if given is not None:
         st.integers(1, 5),
         st.sampled_from(["none", "transformers", "mask"]),
     )
+    @example([[1] * 7, [1] * 7], 3, "mask")  # an unpadded chunk: transformers' own positions, nothing said
+    @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 3, "mask")  # left padding within the cached columns
+    @example([[1] * 7, [0, 0, 0, 0, 0, 1, 1]], 3, "mask")  # left padding into the chunk
     def test_fast_forwards_compute_what_the_general_path_computes(family, rows, past, uncached):
         """Whatever mask a prefill or a chunk after ``past`` cached tokens comes with, the fast path
         (:func:`plain_forward`) gives the logits, warnings and trace record the general path (``align``) gives."""
@@ -616,6 +619,8 @@ if given is not None:
     @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 0, "mask", False, [0] * 21, (1, 4), False, 2)  # a mask value of 2
     @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 0, "any", False, [0] * 21, (1, 0), False, 2)  # a 2 among pads
     @example([[1] * 7, [1] * 7], 3, "one off", False, [0] * 21, (1, 2), False, None)  # unpadded chunk, one wrong
+    @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 3, "mask", True, [0] * 21, (0, 0), False, None)  # one row for two
+    @example([[1] * 7, [1] * 7], 3, "mask", True, [0] * 21, (0, 0), False, None)  # one row for two, unpadded
     def test_given_positions_compute_on_the_fast_path_what_the_general_path_computes(
         family, rows, past, kind, shared, values, cell, strict, odd
     ):

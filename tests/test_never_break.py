@@ -576,3 +576,37 @@ def test_a_batch_of_no_rows_runs_or_fails_as_vanilla(path, inputs, monkeypatch):
         return
     assert_identical(patched, plain)
     assert patched.result.logits.shape == (0, 5, 96)
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+@pytest.mark.parametrize("given", [False, True])
+def test_a_chunk_of_no_rows_runs_or_fails_as_vanilla(path, given, monkeypatch):
+    """A chunk of no rows after the cache of a prefill of no rows, with a mask over both (and the chunk's positions):
+    where vanilla computes logits of no rows (a legacy cache keeps its token count without rows: 4.36 - 4.55), so
+    does neofix, reading nothing; where it fails (4.26 refuses a batch of no rows; from 4.56 a cache of no rows
+    holds 0 tokens, so the mask is too wide), neofix fails too."""
+    from neofix._core import _values
+
+    from ._versions import cache_keyword, output_cache
+
+    model = fresh()
+    ids = torch.zeros((0, 5), dtype=torch.long)
+    mask = torch.ones((0, 5), dtype=torch.long)
+    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path == "cpu")
+
+    def run():
+        with torch.no_grad():
+            cache = output_cache(model(input_ids=ids[:, :3], attention_mask=mask[:, :3], use_cache=True))
+            chunk = {"input_ids": ids[:, 3:], "attention_mask": mask, cache_keyword(): cache}
+            if given:
+                chunk["position_ids"] = torch.zeros((0, 2), dtype=torch.long)
+            return model(**chunk).logits
+
+    patched, plain = both(run)
+    if plain.error is not None:
+        assert patched.error is not None and (
+            type(patched.error) is type(plain.error) or isinstance(patched.error, neofix.NeofixError)
+        ), (patched.error, plain.error)
+        return
+    assert_identical(patched, plain)
+    assert patched.result.shape == (0, 2, 96)

@@ -130,6 +130,8 @@ def _read_layers(cache_layers: list, layers: int, layout: tuple[int, int, int, i
     if isinstance(key, _Tensor) and key.dim() == 4:
         shape = key.shape
         b, h, _, d = layout
+        if not shape[b]:  # keys of no rows: a layer counts 0 tokens (it asks numel()), whatever its columns
+            return CacheView(None, 0, None, None, shape[h], shape[d], "unknown")
         return _new(CacheView, (past, shape[b], tuple(lengths), None, shape[h], shape[d], "object"))
     return CacheView(past, None, tuple(lengths), None, None, None, "object")
 

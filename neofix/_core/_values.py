@@ -388,7 +388,9 @@ def _left_pads(rows: list[list[int]]) -> list[int] | None:
     return pads_of
 
 
-def read_chunk(input_ids: torch.Tensor, mask: torch.Tensor, given: Any, past: int, derive: bool = True) -> Settled | None:
+def read_chunk(
+    input_ids: torch.Tensor, mask: torch.Tensor, given: Any, past: int, derive: bool = True
+) -> Settled | None:
     """A chunk of a prompt on the CPU: two or more new tokens after ``past`` cached ones, with a long 2D mask over
     the cached and new tokens whose every row is real tokens, or pads then real tokens, and the caller's positions
     that :func:`given_fits`, or none (shapes and dtypes are the caller's to check).  What :func:`_read_once` would

@@ -4,12 +4,15 @@ Usage (tox.ini, env tflatest): python .ci/unless_pinned.py PINNED_VERSION ENV_NA
 
 `tflatest` installs the newest transformers on every run, to catch a new release the day it appears.  While the
 newest is still the release `py311-tf524` pins, its whole suite would run twice on the same code: then this prints
-one line saying so (`.ci/summary.py` shows it) and exits 0.  Otherwise it runs `python -m pytest PYTEST_ARGS` and
-exits with pytest's status.
+one line saying so (`.ci/summary.py` shows it) and exits 0.  Otherwise it runs the env's `pytest PYTEST_ARGS`, as
+the other envs do, and exits with pytest's status.  (Not `python -m pytest`: that puts the working directory, the
+checkout, first on `sys.path`, and the tests would import the checkout's neofix instead of the wheel tox installed.)
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from importlib.metadata import version
@@ -26,7 +29,9 @@ def main(argv: list[str]) -> int:
     if installed == pinned:
         print(f"{NOT_RUN} transformers {installed} is the release {env} pins, and its tests ran there", flush=True)
         return 0
-    return subprocess.call([sys.executable, "-m", "pytest", *pytest_args])
+    pytest = shutil.which("pytest", path=os.path.dirname(sys.executable))
+    command = [pytest] if pytest else [sys.executable, "-P", "-m", "pytest"]  # -P: nothing prepended to sys.path
+    return subprocess.call([*command, *pytest_args])
 
 
 if __name__ == "__main__":

@@ -737,3 +737,34 @@ def test_unknown_family_lists_the_families():
     with pytest.raises(_doctor.DoctorUsageError) as caught:
         _doctor.run(family="gpt5")
     assert str(caught.value) == "--family gpt5: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom"
+
+
+def test_imports_say_nothing_below_an_error_and_logging_is_restored():
+    """What importing torch, transformers and the modeling modules logs (transformers 5.25 says, on every load of a
+    modeling module in offline mode, that it skips a kernel's Hub check) is not the doctor's: nothing of warning
+    level or below reaches its stderr, errors still do (unless logging was disabled for them before), and logging is
+    as it was after."""
+    from neofix._doctor import _quiet_imports
+
+    logger = logging.getLogger("kernels._internals.hf_hub")
+    heard: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        for before, expected in ((logging.NOTSET, ["a real error"]), (logging.CRITICAL, [])):
+            logging.disable(before)
+            heard.clear()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with _quiet_imports():
+                    logger.warning("Skipping publisher trust check")
+                    warnings.warn("an import-time deprecation notice", DeprecationWarning)
+                    logger.error("a real error")
+            assert logging.root.manager.disable == before and not caught
+            assert heard == expected
+            logger.warning("after")
+            assert heard == expected + ([] if before else ["after"])
+    finally:
+        logging.disable(logging.NOTSET)
+        logger.removeHandler(handler)

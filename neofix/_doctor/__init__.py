@@ -109,10 +109,7 @@ def run(
     if model_path is not None:
         _check_model_directory(model_path)  # before the slow imports: a typo is reported at once
     progress("loading torch and transformers")
-    # import-time deprecation notices (transformers 4.36 - 4.40 on a newer torch) are not the doctor's business,
-    # and an unsupported release is reported in the doctor's own words
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with _quiet_imports():
         import torch
         import transformers
 
@@ -120,8 +117,7 @@ def run(
 
     chosen = FAMILIES[family]
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _quiet_imports():
             importlib.import_module(chosen.module)  # neofix's import hook patches it here, as in a user's program
     except Exception as exc:
         raise DoctorUsageError(
@@ -130,8 +126,7 @@ def run(
         ) from exc
     if others and model_path is None:  # their targets are listed too: loaded now, so the hooks patch them
         for other in FAMILIES.values():
-            with contextlib.suppress(Exception), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with contextlib.suppress(Exception), _quiet_imports():
                 importlib.import_module(other.module)
     found_patched = _lifecycle.is_patched()
     with _preserved_state(transformers):
@@ -222,6 +217,22 @@ def _quick_check(family: Any, patched: bool, strict: bool, progress: Callable[[s
 
 
 # --- state -------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_imports() -> Iterator[None]:
+    """What importing torch, transformers and the modeling modules says is not the doctor's business: deprecation
+    notices (transformers 4.36 - 4.40 on a newer torch), and log lines of warning level or below (transformers 5.25
+    and later look for flash-attention kernels on the Hub when a modeling module loads, and say when offline mode
+    skips their check).  An unsupported release is reported in the doctor's own words; errors are still logged."""
+    disabled = logging.root.manager.disable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(max(disabled, logging.WARNING))
+        try:
+            yield
+        finally:
+            logging.disable(disabled)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import torch
 import neofix
 from neofix.testing import reference_positions, tiny_gpt_neo, tiny_gpt_neo_config
 
-from ._versions import legacy, requires
+from ._versions import cache_keyword, legacy, output_cache, requires
 
 # -- running something patched and vanilla -------------------------------------------------------------------------
 
@@ -582,12 +582,10 @@ def test_a_batch_of_no_rows_runs_or_fails_as_vanilla(path, inputs, monkeypatch):
 @pytest.mark.parametrize("given", [False, True])
 def test_a_chunk_of_no_rows_runs_or_fails_as_vanilla(path, given, monkeypatch):
     """A chunk of no rows after the cache of a prefill of no rows, with a mask over both (and the chunk's positions):
-    where vanilla computes logits of no rows (a legacy cache keeps its token count without rows: 4.36 - 4.55), so
-    does neofix, reading nothing; where it fails (4.26 refuses a batch of no rows; from 4.56 a cache of no rows
-    holds 0 tokens, so the mask is too wide), neofix fails too."""
+    where vanilla computes logits of no rows (4.36 - 5.0 do; on 4.57 and 5.0 neofix refused it, taking the 0 tokens a
+    cache layer of no rows counts for its length), so does neofix, reading nothing; where it fails (4.26 refuses a
+    batch of no rows, 5.24 finds the mask wider than the 0 tokens it counts), neofix fails too."""
     from neofix._core import _values
-
-    from ._versions import cache_keyword, output_cache
 
     model = fresh()
     ids = torch.zeros((0, 5), dtype=torch.long)

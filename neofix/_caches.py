@@ -39,51 +39,18 @@ def read(cache: Any, layers: int, key_layout: tuple[int, int, int, int] = BHSD) 
     return _read_key_cache(cache, layers, key_layout)
 
 
-def grown_reader(read_cache: Any) -> Any:
-    """``grown(cache, layers, batch, limits)`` for a family whose adapter reads caches with :func:`read` (keys
-    ``(batch, heads, tokens, head_dim)``), on transformers 4.56 and later: ``None`` on earlier releases, and for other
-    families.
-
-    ``grown`` returns ``p`` (at least 1) for the cache of a chunk after ``p`` tokens in its usual form: ``layers`` or
-    more ``DynamicLayer`` objects, each holding keys of the same shape ``(batch, heads, p, head_dim)``, those of the
-    model (``limits``), and ``p + new`` within the position table.  That is what :func:`read` then
-    :func:`~neofix._core._align.check_cache` would find, in fewer reads: the keys' shapes, in place of each layer's
-    ``get_seq_length`` (a call into transformers costs several microseconds right after a forward).  Anything else
-    returns 0: the caller then reads the cache with :func:`read`, which says what is wrong.
-    """
+def usual_layer(read_cache: Any) -> Any:
+    """The type of the usual growing cache's layers (``DynamicLayer``), for a family whose adapter reads caches with
+    :func:`read` (keys ``(batch, heads, tokens, head_dim)``), on transformers 4.56 and later; ``None`` on earlier
+    releases, and for other families.  A chunk after such a cache reads its length from the keys' shapes
+    (:func:`neofix._wrappers.plain_forward`)."""
     if read_cache is not read:
         return None
     try:
         from transformers.cache_utils import DynamicLayer
     except ImportError:  # before 4.56: caches hold parallel key lists (read by _read_key_cache)
         return None
-
-    def grown(cache: Any, layers: int, batch: int, new: int, limits: Any) -> int:
-        cache_layers = getattr(cache, "layers", None)
-        if type(cache_layers) is not list or len(cache_layers) < layers or not batch or not layers:
-            return 0
-        shape = None
-        for layer in cache_layers[:layers]:
-            # DynamicLayer.get_seq_length: 0 for no keys (None until the first update, and after reset() from 4.57)
-            # or empty ones, else their length; keys of ``batch`` > 0 rows and a length > 0 are not empty
-            if type(layer) is not DynamicLayer:
-                return 0
-            keys = layer.keys
-            if type(keys) is not _Tensor:
-                return 0
-            if shape is None:
-                shape = keys.shape
-            elif keys.shape != shape:
-                return 0
-        max_positions, _, _, heads, head_dim = limits
-        if len(shape) != 4 or shape[0] != batch or shape[1] != heads or shape[3] != head_dim:  # type: ignore[arg-type]
-            return 0
-        past = shape[2]  # type: ignore[index]
-        if max_positions is not None and past + new > max_positions:
-            return 0
-        return past  # type: ignore[no-any-return]
-
-    return grown
+    return DynamicLayer
 
 
 def _read_legacy(cache: Any, layers: int, layout: tuple[int, int, int, int]) -> CacheView:

@@ -31,7 +31,18 @@ from ._compat import STEPPING_ASIDE, is_tracing, positional_names, tracer
 from ._config import settings
 from ._core import Aligned, Limits, Policy, StepInputs, align, derive_positions, explain_index_error, step_unchanged
 from ._core._align import check_cache
-from ._core._values import COMPARED_KINDS, given_fits, read_chunk, read_given, read_prefill, shapes_fit
+from ._core import _values
+from ._core._values import (
+    _CHUNK_UNCHANGED,
+    _DERIVED_IN_CHUNK_ONLY,
+    COMPARED_KINDS,
+    Settled,
+    _counting,
+    _new,
+    read_given,
+    read_prefill,
+    shapes_fit,
+)
 from ._errors import (
     AttentionWindowError,
     InputShapeError,
@@ -44,6 +55,8 @@ from ._errors import (
 from ._reports import StepInfo
 
 _LONG = torch.long
+_Tensor = torch.Tensor
+_frombuffer = torch.frombuffer
 
 #: Marks every function neofix installs (``neofix.trace`` tells a patched model by it).
 MARK = "__neofix_wrapper__"
@@ -68,7 +81,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
     listeners = _reports.listeners
     pending = _reports.pending
     right_padded = _RIGHT_PADDED
-    grown = _caches.grown_reader(read_cache)
+    usual = _caches.usual_layer(read_cache)
 
     @functools.wraps(original)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -111,7 +124,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                             explain_overflow(exc, self.config, kwargs.get("attention_mask"),
                                              kwargs.get("position_ids"), cache.length)
                         raise
-            prefilled, past = plain_forward(first, shape, kwargs, layers, limits, adapter, grown)
+            prefilled, past = plain_forward(first, shape, kwargs, layers, limits, adapter, usual)
             if prefilled is not None:
                 positions, _, _, padded_rows, repairs = prefilled
                 if not padded_rows and (positions is None or takes_positions):
@@ -220,7 +233,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
 
 
 def plain_forward(
-    input_ids: Any, shape: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any, grown: Any = None
+    input_ids: Any, shape: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any, usual: Any = None
 ) -> tuple[Any, int]:
     """The values of a forward given ``input_ids`` and a 2D mask (or none), and no token types, embeddings or
     ``cache_position``: without a cache (the usual training, scoring and classification call, and a loop's first
@@ -228,12 +241,17 @@ def plain_forward(
     rows, with a mask over the ``p`` cached and the new tokens.  A prefill without positions is read by
     :func:`~neofix._core.read_prefill`; with the caller's (for the families whose positions ``align`` compares with
     the mask), by :func:`~neofix._core._values.read_given`, which passes them on only where every check passes.  A
-    chunk by :func:`~neofix._core._values.read_chunk` (the usual masks on the CPU), else as a prefill.  As
-    :func:`~neofix._core.align` would read them: ``(settled, p)`` (``p`` 0 without a cache), or ``(None, 0)`` for any
-    other call, and for any call ``align`` would refuse, repair or read differently (the general path aligns those,
-    and says what is wrong).  Shapes are checked first, from the call's arguments alone.  Positions are derived from
-    a left-padded mask for the families that take absolute ones (``adapter.POSITIONS``), as ``align`` derives them.
-    ``grown``: the family's :func:`~neofix._caches.grown_reader`, or ``None``."""
+    chunk here (the usual masks on the CPU), else as a prefill.  As :func:`~neofix._core.align` would read them:
+    ``(settled, p)`` (``p`` 0 without a cache), or ``(None, 0)`` for any other call, and for any call ``align`` would
+    refuse, repair or read differently (the general path aligns those, and says what is wrong).  Shapes are checked
+    first, from the call's arguments alone.  Positions are derived from a left-padded mask for the families that take
+    absolute ones (``adapter.POSITIONS``), as ``align`` derives them.  ``usual``: the family's
+    :func:`~neofix._caches.usual_layer`, or ``None``.
+
+    After the decode step a chunk is the most frequent forward, and it is read in this one function: each call, torch
+    operation or line of Python costs several times as much right after a forward (its code has gone cold) as it does
+    warm, and a call of a helper about a microsecond (measured in place)."""
+    derive = (kind := adapter.POSITIONS) == "absolute"  # positions derived from a left-padded mask
     if (
         kwargs.get("token_type_ids") is not None
         or kwargs.get("inputs_embeds") is not None
@@ -243,17 +261,17 @@ def plain_forward(
     if len(shape) != 2 or shape[1] == 0:  # (``shape``: input_ids.shape)
         return None, 0
     given = kwargs.get("position_ids")
-    # the caller's positions, for a family that compares them with the mask, and whose table (if it has one) it
-    # looks them up in: read_given leaves their range to that lookup
-    if given is not None and (
-        adapter.POSITIONS not in COMPARED_KINDS
-        or (adapter.POSITIONS != "absolute" and limits[0] is not None)
-        or not given_fits(given, shape)
-    ):
-        return None, 0
+    if given is not None:
+        # the caller's positions, for a family that compares them with the mask, and whose table (if it has one) it
+        # looks them up in (read_given and read_chunk leave their range to that lookup); long, 2D, one row or one per
+        # input row, a column per new token (each read of a shape builds a torch.Size: read once)
+        if kind not in COMPARED_KINDS or (not derive and limits[0] is not None):
+            return None, 0
+        fits = given.shape
+        if len(fits) != 2 or fits[1] != shape[1] or fits[0] not in (1, shape[0]) or given.dtype != _LONG:
+            return None, 0
     cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
     mask = kwargs.get("attention_mask")
-    derive = adapter.POSITIONS == "absolute"
     if cache is None:
         limit = limits[0]  # max_positions
         if (limit is not None and shape[1] > limit) or not shapes_fit(
@@ -265,8 +283,33 @@ def plain_forward(
         return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), 0
     if mask is None or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):  # the general path wraps such tuples
         return None, 0
-    # the usual growing cache, read and checked from its keys' shapes; else read whole, then checked below
-    past = 0 if grown is None else grown(cache, layers, shape[0], shape[1], limits)
+    # The usual growing cache (transformers 4.56 and later, ``usual``: its layers' type), read from its keys' shapes,
+    # one ``.shape`` per layer in place of each layer's ``get_seq_length`` (a call into transformers costs several
+    # microseconds right after a forward): ``layers`` or more layers of that type, each holding keys of the same shape
+    # (batch, heads, p, head_dim), those of the model (``limits``), and p + new within the position table; what
+    # _caches.read then check_cache would find.  Any other cache is read whole and checked below, which says what is
+    # wrong.  (A layer's keys are None until its first update, and after reset() from 4.57: not a tensor.)
+    past = 0
+    cache_layers = getattr(cache, "layers", None) if usual is not None else None
+    if type(cache_layers) is list and len(cache_layers) >= layers and shape[0] and layers:
+        keys_shape = None
+        for layer in cache_layers[:layers]:
+            if type(layer) is not usual or type(keys := layer.keys) is not _Tensor:
+                break
+            if keys_shape is None:
+                keys_shape = keys.shape
+            elif keys.shape != keys_shape:
+                break
+        else:
+            max_positions, _, _, heads, head_dim = limits
+            if (
+                len(keys_shape) == 4
+                and keys_shape[0] == shape[0]
+                and keys_shape[1] == heads
+                and keys_shape[3] == head_dim
+                and (max_positions is None or keys_shape[2] + shape[1] <= max_positions)
+            ):
+                past = keys_shape[2]
     view = None
     if not past:
         view = adapter.read_cache(cache, layers)
@@ -285,13 +328,63 @@ def plain_forward(
         return None, 0
     if view is not None:
         check_cache(view, shape[0], shape[1], limits)  # what align checks (and raises) before it reads a value
-    settled = read_chunk(input_ids, mask, given, past, derive)
-    if settled is None:
-        if given is not None:
-            return None, 0
-        # an accelerator (its reads are torch operations), or a mask of right padding, a gap or other values
-        settled = read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive)
+    width = mask_shape[1]
+    if _values.READ_SCALARS_ON_CPU and input_ids.is_cpu and mask.is_cpu and (given is None or given.is_cpu):
+        # A chunk on the CPU, read here (after the decode step the most frequent forward: each call, torch
+        # operation or line of Python costs several times as much right after a forward as it does warm).  What
+        # _read_once would settle it to, where every row is real tokens, or pads then real tokens: the given
+        # positions unchanged where each row's real new tokens sit at the mask's positions; none given, positions
+        # derived from a left-padded mask (for the families that take absolute ones; silent: said at prefill).
+        # Anything else is read below, or aligned.  Token ids and the range of positions are left to the
+        # embedding, as read_prefill and read_given leave them.
+        pads_of = []
+        padded = False
+        for row in mask.tolist():  # the one read of the mask; _left_pads, inlined
+            pads = width - row.count(1)
+            if pads:
+                if pads == width or row.count(0) != pads or row.index(1) != pads:
+                    break  # right padding, a gap, a row of pads, a value neither 0 nor 1
+                padded = True
+            pads_of.append(pads)
+        else:
+            if given is None:
+                if not padded or not derive:  # every real token at its column: transformers' positions are right
+                    return _CHUNK_UNCHANGED, past
+                # each row one slice of the table of zeros then counts (int64 bytes), copied into one bytearray,
+                # handed to torch with one frombuffer: right after a forward, a quarter cheaper than a cumsum and its
+                # slice (callgrind), and a new tensor, as the caller's positions must be
+                counts, table = _values._COUNTING
+                if len(counts) < width:
+                    counts, table = _counting(width)
+                start = 8 * (len(counts) + past)  # a row without pads: the counts from ``past`` on; a pad: 8 bytes left
+                stop = 8 * (len(counts) + width)
+                joined = bytearray()
+                for pads in pads_of:
+                    pads *= 8
+                    joined += table[start - pads : stop - pads]
+                positions = _frombuffer(joined, dtype=_LONG).view(len(pads_of), width - past)
+                return _new(Settled, (positions, True, None, (), _DERIVED_IN_CHUNK_ONLY)), past
+            values = given.tolist()  # the one read of the positions
+            counts = _values._COUNTING[0]
+            if len(counts) < width:
+                counts = _counting(width)[0]
+            if not padded:  # each row (or the one shared by every row) counts on from the cache: at C speed
+                if values.count(counts[past:width]) == len(values):
+                    return _new(Settled, (given, True, None, (), ())), past
+                return None, 0
+            shared = values[0] if len(values) == 1 else None  # one row of positions for every row
+            for index, pads in enumerate(pads_of):
+                # a row's real new tokens (from column max(pads, past)) count from 0 at its first real token
+                first = pads if pads > past else past
+                if (values[index] if shared is None else shared)[first - past :] != counts[first - pads : width - pads]:
+                    return None, 0
+            return _new(Settled, (given, True, None, (), ())), past
+    if given is not None:
+        return None, 0
+    # an accelerator (its reads are torch operations), or a mask of right padding, a gap or other values
+    settled = read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive)
     return settled, past
+
 
 
 def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple, kwargs: dict, adapter: Any) -> Any:

@@ -462,18 +462,25 @@ def test_chunks_of_other_dtypes_give_the_general_paths_outcome(monkeypatch, chan
 
 def test_positions_of_masks_wider_than_any_before_are_the_masks(monkeypatch):
     """The counts left-padded positions are cut from grow with the widest mask read (from none, here, to a mask of
-    300 columns, then 700): each prefill's and chunk's positions are the mask's."""
+    300 columns, then 700): each prefill's and chunk's positions are the mask's, and a chunk's a tensor of its own."""
+    import types
+
     monkeypatch.setattr(_values, "_COUNTING", ([], *_values._COUNTING[1:]))  # as at import: nothing read yet
-    limits = Limits(max_positions=2048, vocab_size=96, hidden_size=32)
+    limits = Limits(max_positions=2048, vocab_size=96, hidden_size=32, heads=4, head_dim=8)
+    family = types.SimpleNamespace(POSITIONS="absolute", LEGACY_CACHE_REJECTED=False, read_cache=_caches.read)
     for width in (5, 300, 700):
         mask = torch.ones(3, width, dtype=torch.long)
         mask[1, : width // 3] = 0
         mask[2, : width - 1] = 0
         ids = torch.ones_like(mask)
         want = reference_positions(mask)
-        for past in (0, 1, width // 2, width - 2):
-            settled = _values.read_prefill(ids[:, past:], mask, limits, past=past)
-            assert settled.positions.is_contiguous()
+        assert torch.equal(_values.read_prefill(ids, mask, limits).positions, want)
+        for past in (1, width // 2, width - 2):
+            keys = torch.zeros(3, 4, past, 8)
+            cache = tuple((keys, keys) for _ in range(4))  # read whole
+            kwargs = {"attention_mask": mask, "past_key_values": cache}
+            settled, read = _wrappers.plain_forward(ids[:, past:], ids[:, past:].shape, kwargs, 4, limits, family)
+            assert read == past and settled.positions.is_contiguous()
             assert torch.equal(settled.positions, want[:, past:]), (width, past)
 
 
@@ -795,15 +802,45 @@ def _cache_layer(kind, shape):
     return layer
 
 
-def test_the_grown_reader_exists_from_transformers_4_56_and_for_the_common_layout_only():
-    reader = _caches.grown_reader(_caches.read)
-    assert (reader is not None) == has("cache layer objects")
-    assert _caches.grown_reader(lambda cache, layers: None) is None  # a family reading caches its own way (BLOOM)
-    if reader is not None:
-        from transformers.cache_utils import DynamicCache
+class _ReadWhole(Exception):
+    """Raised by :func:`_reading_whole`'s reader: ``plain_forward`` read the cache whole."""
 
-        assert reader(DynamicCache(), 0, 2, 1, _tiny_limits(64)) == 0  # no layers: nothing to tell
-        assert reader((), 4, 2, 1, _tiny_limits(64)) == 0  # a legacy cache: read whole
+
+def _reading_whole(adapter):
+    """``adapter`` whose ``read_cache`` raises :class:`_ReadWhole`: a chunk's cache read from its keys' shapes alone
+    gets past it."""
+    import types
+
+    def read_cache(cache, layers):
+        raise _ReadWhole
+
+    facts = {name: getattr(adapter, name) for name in dir(adapter) if name.isupper()}
+    return types.SimpleNamespace(**facts, read_cache=read_cache)
+
+
+def _chunk_after(cache, batch, new, past):
+    """``plain_forward``'s arguments for a chunk of ``new`` tokens over ``batch`` rows after ``past`` cached ones."""
+    ids = torch.zeros(batch, new, dtype=torch.long)
+    return ids, {"attention_mask": torch.ones(batch, past + new, dtype=torch.long), cache_keyword(): cache}
+
+
+def test_the_usual_layer_is_dynamic_layer_from_transformers_4_56_and_for_the_common_layout_only():
+    usual = _caches.usual_layer(_caches.read)
+    assert (usual is not None) == has("cache layer objects")
+    assert _caches.usual_layer(lambda cache, layers: None) is None  # a family reading caches its own way (BLOOM)
+    if usual is not None:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        assert usual is DynamicLayer
+        reader = _reading_whole(gpt_neo)
+        ids, kwargs = _chunk_after(DynamicCache(), 2, 3, 5)  # no layers: nothing to tell, read whole
+        with pytest.raises(_ReadWhole):
+            _wrappers.plain_forward(ids, ids.shape, kwargs, 4, _tiny_limits(64), reader, usual)
+        keys = torch.zeros(2, 4, 5, 8)
+        ids, kwargs = _chunk_after(tuple((keys, keys) for _ in range(4)), 2, 3, 5)  # a legacy cache: never its shapes
+        reader.LEGACY_CACHE_REJECTED = False
+        with pytest.raises(_ReadWhole):
+            _wrappers.plain_forward(ids, ids.shape, kwargs, 4, _tiny_limits(64), reader, usual)
 
 
 if given is not None:
@@ -832,20 +869,30 @@ if given is not None:
     @example((2, 4, 5, 4), ["dynamic"] * 4, 2, 3, 64)  # the model's heads, of another width
     @example((3, 4, 5, 8), ["dynamic"] * 4, 2, 3, 64)  # other rows
     @example((2, 4, 5, 8), ["three dims"] * 4, 2, 3, 64)
-    def test_the_grown_reader_takes_the_usual_cache_and_only_what_reading_it_whole_accepts(
+    def test_a_chunk_takes_the_usual_cache_from_its_keys_shapes_and_only_what_reading_it_whole_accepts(
         shape, kinds, batch, new, max_positions
     ):
-        """For a chunk of ``new`` tokens over ``batch`` rows of the tiny GPT-Neo (4 layers): ``grown`` returns the
-        cache's length exactly when every one of the first 4 layers is a DynamicLayer holding keys (transformers' own
-        ``get_seq_length`` says so), all of one shape of ``batch`` rows, 4 heads, width 8 and at least one token, and
-        that many tokens plus ``new`` fit the position table; and whatever it returns is what :func:`_caches.read`
-        then :func:`check_cache` find (0: the caller reads the cache whole, and that says what is wrong)."""
+        """For a chunk of ``new`` tokens over ``batch`` rows of the tiny GPT-Neo (4 layers): ``plain_forward`` takes
+        the cache's length from the keys' shapes, without reading it whole, exactly when every one of the first 4
+        layers is a DynamicLayer holding keys (transformers' own ``get_seq_length`` says so), all of one shape of
+        ``batch`` rows, 4 heads, width 8 and at least one token, and that many tokens plus ``new`` fit the position
+        table; and what it takes is what :func:`_caches.read` then :func:`check_cache` find (any other cache is read
+        whole, which says what is wrong)."""
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
         cache = DynamicCache()
         cache.layers = [_cache_layer(kind, shape) for kind in kinds]
         limits = _tiny_limits(max_positions)
-        past = _caches.grown_reader(_caches.read)(cache, 4, batch, new, limits)
+        ids, kwargs = _chunk_after(cache, batch, new, shape[2])
+        try:
+            settled, past = _wrappers.plain_forward(
+                ids, ids.shape, kwargs, 4, limits, _reading_whole(gpt_neo), _caches.usual_layer(_caches.read)
+            )
+        except _ReadWhole:
+            past = 0
+        else:  # taken from the shapes; a chunk of one token is a decode step's: not read further, nor settled
+            assert (settled is not None, past) == ((True, shape[2]) if new > 1 else (False, 0))
+            past = shape[2]
 
         first = cache.layers[:4]
         holding = [type(layer) is DynamicLayer and layer.get_seq_length() > 0 for layer in first]

@@ -76,7 +76,7 @@ _new = tuple.__new__
 #: A chunk's positions derived from the mask: said at prefill (a chunk continues the rows as they are), so silent.
 _DERIVED_IN_CHUNK = Repair(POSITIONS_DERIVED, "")
 _DERIVED_IN_CHUNK_ONLY = (_DERIVED_IN_CHUNK,)
-#: What :func:`read_chunk` settles a chunk to whose positions transformers makes right (and any a family makes).
+#: What a chunk is settled to whose positions transformers makes right (and any a family makes).
 _CHUNK_UNCHANGED = Settled(None, True, None, ())
 
 
@@ -162,36 +162,19 @@ _count_ones = operator.methodcaller("count", 1)
 #: ``(counts, table)``: 0, 1, 2, ... as a list, and as the bytes of int64 values after as many zeros (from
 #: ``8 * (n - pads)`` on, a row of ``pads`` pads then real tokens' positions), as long as the widest mask read so far
 #: (see :func:`_counting`).
-_COUNTING: tuple[list[int], bytes] = ([], b"")
+_COUNTING: tuple[list[int], memoryview] = ([], memoryview(b""))
 
 
-def _counting(width: int) -> tuple[list[int], bytes]:
+def _counting(width: int) -> tuple[list[int], memoryview]:
     """:data:`_COUNTING`, at least ``width`` long.  Grown by rebinding, never in place: a thread reading the old one
     reads the right values.  It holds about 60 bytes per column of the widest mask seen."""
     global _COUNTING
     counting = _COUNTING
     if len(counting[0]) < width:
         size = max(width, 2 * len(counting[0]), 64)
-        counting = _COUNTING = (list(range(size)), bytes(8 * size) + array.array("q", range(size)).tobytes())
+        table = memoryview(bytes(8 * size) + array.array("q", range(size)).tobytes())
+        counting = _COUNTING = (list(range(size)), table)
     return counting
-
-
-def _positions_of_pads(pads_of: list[int], past: int, width: int) -> torch.Tensor:
-    """The positions of the new tokens (columns ``past`` on, of a mask ``width`` wide) of rows of pads then real
-    tokens, ``pads_of`` pads each (one or more rows): 0 for a pad, and for a real token the count of real tokens
-    before it.  What ``cumsum`` computes, built from the mask read as lists: each row one slice of the table of
-    zeros then counts (int64 bytes), the slices joined into a fresh ``bytearray``, then one ``frombuffer`` and a
-    ``view``.  Measured by callgrind right after a forward, for a chunk of 2 rows a quarter cheaper than ``cumsum``
-    and its slice; each row costs a slice, so a prefill (whose ``cumsum - mask`` costs less than a chunk's slice)
-    takes ``cumsum`` from 8 rows on, and is left to it."""
-    counts, table = _counting(width)
-    start = 8 * (len(counts) + past)  # a row without pads: the counts from ``past`` on; each pad shifts it left
-    stop = 8 * (len(counts) + width)
-    rows = []
-    for pads in pads_of:
-        pads *= 8
-        rows.append(table[start - pads : stop - pads])
-    return torch.frombuffer(bytearray().join(rows), dtype=torch.long).view(len(pads_of), width - past)
 
 
 #: Read CPU tensors' reductions one by one (tests turn it off to run the path accelerators take, on the CPU).
@@ -251,9 +234,9 @@ def read_prefill(
     in place: ``aminmax`` and two ``item()`` about 40, ``tolist()`` of a 2 x 32 mask about 5): the mask is read once
     as lists and searched at C speed (:func:`_row_padding`), and token ids are left to the embedding, whose
     ``IndexError`` the model forward explains.  NumPy, a byte comparison of the tensor's memory (ctypes), and
-    ``torch.tensor`` of lists were tried and cost more there; a left-padded chunk's positions are built from the
-    lists as int64 bytes (:func:`_positions_of_pads`), which costs less than ``cumsum`` and a slice.  Elsewhere torch
-    operations and one read.  Returns positions ``None`` where transformers' own are the mask's already (no left padding).  The
+    ``torch.tensor`` of lists were tried and cost more there.  Elsewhere torch operations and one read.  (A chunk
+    on the CPU with the usual mask is read by :func:`neofix._wrappers.plain_forward`, which builds a left-padded
+    chunk's positions from the lists.)  Returns positions ``None`` where transformers' own are the mask's already (no left padding).  The
     repair it may add (``positions_derived``, warned once on a prefill) is in the returned ``repairs``.
     """
     if READ_SCALARS_ON_CPU and _on_cpu(input_ids) and (mask is None or _on_cpu(mask)):
@@ -266,11 +249,9 @@ def read_prefill(
         # The usual masks in one pass: each row all real tokens, or pads then real tokens (left padding)
         left = after = False
         right_padded: tuple[int, ...] = ()
-        pads_of = []  # per row: its pads, where every row is pads then real tokens (or pads only)
         for row in rows:
             ones = row.count(1)
             if ones == width:
-                pads_of.append(0)
                 continue
             if not ones or row.count(0) + ones != width or row.index(1) != width - ones:
                 # a row of pads only, a pad after a real token, or a value neither 0 nor 1: searched row by row
@@ -279,15 +260,12 @@ def read_prefill(
                 if padding is None:
                     _raise_mask_value_error(mask)
                 left, after, right_padded = padding  # type: ignore[misc]
-                pads_of = [width - ones for ones in real]
                 break
-            pads_of.append(width - ones)
             left = True
         else:
             if not left:  # every token real: nothing else to learn
                 return _UNCHANGED
     else:
-        pads_of = None  # positions are derived with torch operations, from the mask on its device
         batch = input_ids.shape[0]
         if not batch:  # no rows: nothing to read (a reduction over nothing raises), nothing to derive
             return _UNCHANGED
@@ -323,31 +301,23 @@ def read_prefill(
     if after:  # keep transformers' positions for pads after a row's last real token
         return Settled(_mask_positions(mask, input_ids.shape[-1], past, None), True, None, right_padded, (derived,))
     # Every row is pads then real tokens: a real token's position is the count of real tokens before it, and a pad's
-    # (before the first real token) 0.  A chunk on the CPU: built from the lists; else ``(cumsum - 1).clamp(min=0)``,
-    # which is the cumsum one column earlier.  A prefill has no column before its first: ``cumsum - mask`` (a fresh
-    # tensor, changed in place).  A chunk: the cumsum's columns from the last cached one, a view.
-    if past and pads_of is not None:  # a chunk on the CPU: from the lists
-        return _new(Settled, (_positions_of_pads(pads_of, past, width), True, None, right_padded, (derived,)))
+    # (before the first real token) 0: ``(cumsum - 1).clamp(min=0)``, which is the cumsum one column earlier.  A
+    # prefill has no column before its first: ``cumsum - mask`` (a fresh tensor, changed in place).  A chunk: the
+    # cumsum's columns from the last cached one, a view.
     counted = mask.cumsum(-1)
     # (a slice: Python's basic indexing costs half of ``narrow`` right after a forward; the mask is past + new wide)
     positions = counted[:, past - 1 : -1] if past else counted.sub_(mask)
     return _new(Settled, (positions, True, None, right_padded, (derived,)))
 
 
-def given_fits(positions: Any, shape: Any) -> bool:
-    """Whether :func:`read_given` may take these caller's positions for ``input_ids`` of ``shape``: long, 2D, one
-    row or one per input row, a column per new token (shapes and dtypes only)."""
-    given = positions.shape  # (read once: each read builds a torch.Size)
-    return len(given) == 2 and given[1] == shape[1] and given[0] in (1, shape[0]) and positions.dtype == torch.long
-
-
 def read_given(input_ids: torch.Tensor, positions: torch.Tensor, mask: Any) -> Settled | None:
     """The value checks of :func:`_read_once` for the caller's positions on a prefill on the CPU, where they all
-    pass: positions that :func:`given_fits`, and a 2D long mask as wide as the ids (or none).  Returns the positions
+    pass: positions that fit (long, 2D, one row or one per input row, a column per new token: the caller checks), and
+    a 2D long mask as wide as the ids (or none).  Returns the positions
     unchanged, or ``None`` wherever ``_read_once`` could say or change anything (the general path then does, in its
     words): on an accelerator (where reading is a synchronisation), a mask with a row that is neither all real tokens
     nor pads then real tokens (right padding, a gap, a row of pads, a value neither 0 nor 1), a row whose positions
-    count its left padding (``arange``).  A chunk after a cache: :func:`read_chunk`.
+    count its left padding (``arange``).  A chunk after a cache: :func:`neofix._wrappers.plain_forward`.
 
     A torch operation costs tens of microseconds right after a forward on the CPU: the mask and the positions are
     read with one ``tolist()`` each, and searched at C speed (list comparisons), as :func:`read_prefill` reads the
@@ -386,55 +356,6 @@ def _left_pads(rows: list[list[int]]) -> list[int] | None:
             return None
         pads_of.append(pads)
     return pads_of
-
-
-def read_chunk(
-    input_ids: torch.Tensor, mask: torch.Tensor, given: Any, past: int, derive: bool = True
-) -> Settled | None:
-    """A chunk of a prompt on the CPU: two or more new tokens after ``past`` cached ones, with a long 2D mask over
-    the cached and new tokens whose every row is real tokens, or pads then real tokens, and the caller's positions
-    that :func:`given_fits`, or none (shapes and dtypes are the caller's to check).  What :func:`_read_once` would
-    settle it to: the given positions unchanged where each row's real new tokens sit at the mask's positions; none
-    given, positions derived from a left-padded mask (for the families that take absolute ones, ``derive``; silent:
-    said at prefill), built from the lists (:func:`_positions_of_pads`); ``None`` for anything else, which the
-    caller reads or aligns the general way (an accelerator, another mask, positions other than the mask's).  Token
-    ids and the range of positions are left to the embedding, as in :func:`read_prefill` and :func:`read_given`.
-
-    After the decode step the most frequent forward, in one function: each call, torch operation or line of Python
-    costs several times as much right after a forward (its code has gone cold) as it does warm.
-    """
-    if not (READ_SCALARS_ON_CPU and input_ids.is_cpu and mask.is_cpu and (given is None or given.is_cpu)):
-        return None
-    rows = mask.tolist()  # the one read of the mask
-    width = len(rows[0]) if rows else 0
-    pads_of = []
-    padded = False
-    for row in rows:  # what _left_pads does, inlined: calling it costs a chunk 1.5 µs more, measured in place
-        pads = width - row.count(1)
-        if pads:
-            if pads == width or row.count(0) != pads or row.index(1) != pads:
-                return None
-            padded = True
-        pads_of.append(pads)
-    if given is None:
-        if not padded or not derive:  # every real token at its column: transformers' own positions are the mask's
-            return _CHUNK_UNCHANGED
-        return _new(Settled, (_positions_of_pads(pads_of, past, width), True, None, (), _DERIVED_IN_CHUNK_ONLY))
-    values = given.tolist()  # the one read of the positions
-    counts = _COUNTING[0]
-    if len(counts) < width:
-        counts = _counting(width)[0]
-    if not padded:  # each row (or the one shared by every row) counts on from the cache: one comparison at C speed
-        if values.count(counts[past:width]) != len(values):
-            return None
-        return _new(Settled, (given, True, None, (), ()))
-    shared = values[0] if len(values) == 1 else None  # one row of positions for every row
-    for index, pads in enumerate(pads_of):
-        # a row's real new tokens (from column max(pads, past)) count from 0 at its first real token
-        first = pads if pads > past else past
-        if (values[index] if shared is None else shared)[first - past :] != counts[first - pads : width - pads]:
-            return None
-    return _new(Settled, (given, True, None, (), ()))
 
 
 # -- steps that read nothing -------------------------------------------------------------------------------------

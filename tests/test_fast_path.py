@@ -429,6 +429,29 @@ def test_chunks_with_a_wrong_mask_are_refused_as_align_refuses_them(model, mask,
             model(input_ids=ids[:, 3:], attention_mask=mask, **{cache_keyword(): cache})
 
 
+@pytest.mark.parametrize(
+    "row, error",
+    [
+        ([0, 0, 0, 0, 0], None),  # a row of pads only
+        ([0, 0, 2, 1, 1], neofix.MaskValueError),  # a 2 where the real tokens start: not a pad, not a token
+        ([0, 0, 2, 0, 1], neofix.MaskValueError),  # a 2 among the pads (of the chunk: the prefill refuses its own)
+    ],
+    ids=["pads only", "2 then tokens", "2 among pads"],
+)
+def test_a_chunk_with_a_row_of_pads_or_another_value_gives_the_general_paths_outcome(row, error):
+    """A chunk's mask row that is neither real tokens nor pads then real tokens goes to the general reads: a row of
+    pads only runs as they run it, and a value neither 0 nor 1 (wherever it sits) is refused in their words."""
+    ids, mask = left_padded_batch([5, 3])
+    mask = mask.clone()
+    mask[1] = torch.tensor(row)
+    prefill = {"input_ids": ids[:, :2], "attention_mask": mask[:, :2], "use_cache": True}
+    general = assert_same_outcome(_chunk_model("gpt_neo"), prefill, {"input_ids": ids[:, 2:], "attention_mask": mask})
+    if error is None:
+        assert not any(isinstance(result, tuple) for result in general)  # the chunk and the step ran
+    else:
+        assert isinstance(general[0], tuple) and issubclass(general[0][0], error)
+
+
 @pytest.mark.parametrize("scalars", [True, False], ids=["cpu", "accelerator"])
 @pytest.mark.parametrize(
     "change, error",

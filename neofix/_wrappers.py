@@ -263,8 +263,8 @@ def plain_forward(
     given = kwargs.get("position_ids")
     if given is not None:
         # the caller's positions, for a family that compares them with the mask, and whose table (if it has one) it
-        # looks them up in (read_given and read_chunk leave their range to that lookup); long, 2D, one row or one per
-        # input row, a column per new token (each read of a shape builds a torch.Size: read once)
+        # looks them up in (read_given and the chunk's read below leave their range to that lookup); long, 2D, one row
+        # or one per input row, a column per new token (each read of a shape builds a torch.Size: read once)
         if kind not in COMPARED_KINDS or (not derive and limits[0] is not None):
             return None, 0
         fits = given.shape
@@ -384,7 +384,6 @@ def plain_forward(
     # an accelerator (its reads are torch operations), or a mask of right padding, a gap or other values
     settled = read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive)
     return settled, past
-
 
 
 def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple, kwargs: dict, adapter: Any) -> Any:

@@ -102,7 +102,6 @@ def unpatch() -> bool:
     """
     global _hooks_enabled
     with _lock:
-        _hooks_enabled = False
         covered = [
             applied.describe()
             for applied_list in _applied.values()
@@ -116,6 +115,7 @@ def unpatch() -> bool:
                 f"was changed (neofix stays patched); remove the outer wrapper first, then call neofix.unpatch()"
             )
             return False
+        _hooks_enabled = False  # after the refusal above, which changes nothing
         if not is_patched():
             return False
         for family_name in list(_applied):

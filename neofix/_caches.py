@@ -214,11 +214,11 @@ def of_call(kwargs: dict) -> tuple[str, Any]:
 
 
 def of_output(output: Any) -> Any:
-    """The cache a model output carries (``cache`` on 5.x, ``past_key_values`` before), or None."""
+    """The cache a model output (or any mapping) carries (``cache`` on 5.x, ``past_key_values`` before), or None."""
     keys = getattr(output, "keys", None)
     if keys is None:
         return None
     for name in ("cache", "past_key_values"):
-        if name in keys():
+        if name in keys() and output[name] is not None:
             return output[name]
     return None

@@ -54,9 +54,9 @@ def _cache_objects_accepted() -> bool:
 def _cache_of(out: Any, where: str) -> Any:
     """The cache in ``out``: a model output carrying one, a ``Cache`` object or a legacy tuple cache."""
     if isinstance(out, Mapping):  # transformers' ModelOutput; read by key (5.x logs a deprecation for attributes)
-        for key in ("cache", "past_key_values"):
-            if key in out.keys() and out[key] is not None:
-                return out[key]
+        cache = _caches.of_output(out)
+        if cache is not None:
+            return cache
         raise NeofixError(
             f"{where}: the model output carries no cache (its fields: {', '.join(out.keys()) or 'none'}): call the "
             f"model with use_cache=True, as model(**state.model_inputs()) does"

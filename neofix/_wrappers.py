@@ -99,12 +99,13 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
         if facts is None or facts[0]() is not self:
             facts = _read_model_facts(self, adapter)
         layers, limits = facts[1], facts[2]
-        prefilled = None
+        prefilled = view = None  # view: the cache's CacheView, once read (read once per step)
         if len(args) <= 1 and first is not None and (args or "input_ids" in kwargs):
             shape = first.shape
+            cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")  # _caches.of_call, inlined
             if len(shape) == 2 and shape[1] == 1 and not settings.check_values:
-                cache = aligned_decode_step(first, shape, kwargs, layers, limits, adapter)
-                if cache is not None:
+                view, unchanged = aligned_decode_step(shape, kwargs, cache, layers, limits, adapter)
+                if unchanged:
                     # the usual decode step, already aligned: align() would return every input unchanged
                     if right_padded:
                         _check_right_padding(kwargs)
@@ -112,7 +113,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                         mask = kwargs.get("attention_mask")
                         _reports.emit(
                             StepInfo(
-                                self, shape[0], 1, cache.length, None if mask is None else mask.shape[-1], mask,
+                                self, shape[0], 1, view.length, None if mask is None else mask.shape[-1], mask,
                                 kwargs.get("position_ids"), (),
                             )
                         )
@@ -122,9 +123,10 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                         explain_index_error(exc, limits, first, None, kwargs.get("position_ids"))
                         if explain_overflow is not None:
                             explain_overflow(exc, self.config, kwargs.get("attention_mask"),
-                                             kwargs.get("position_ids"), cache.length)
+                                             kwargs.get("position_ids"), view.length)
                         raise
-            prefilled, past = plain_forward(first, shape, kwargs, layers, limits, adapter, usual)
+            if view is None:  # (a decode step whose cache was read is no prefill and no chunk)
+                prefilled, past, view = plain_forward(first, shape, kwargs, cache, layers, limits, adapter, usual)
             if prefilled is not None:
                 positions, _, _, padded_rows, repairs = prefilled
                 if not padded_rows and (positions is None or takes_positions):
@@ -158,10 +160,11 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
         input_ids = kwargs.get("input_ids")
         if input_ids is not None and input_ids.dim() != 2 and flat_input_ids_accepted:
             return original(self, **kwargs)  # 1D input_ids: transformers up to 4.44 read them as one row
-        key, cache = _caches.of_call(kwargs)
-        if type(cache) is tuple and cache and legacy_cache_rejected:
-            kwargs[key] = cache = _legacy_cache(cache, self.config)
-        view = read_cache(cache, layers)
+        if view is None:
+            key, cache = _caches.of_call(kwargs)
+            if type(cache) is tuple and cache and legacy_cache_rejected:  # (neither read above reads such a tuple)
+                kwargs[key] = cache = _legacy_cache(cache, self.config)
+            view = read_cache(cache, layers)
         check_step(self, view)
         if right_padded and view.length != 0:
             _check_right_padding(kwargs)
@@ -233,8 +236,8 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
 
 
 def plain_forward(
-    input_ids: Any, shape: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any, usual: Any = None
-) -> tuple[Any, int]:
+    input_ids: Any, shape: Any, kwargs: dict, cache: Any, layers: int, limits: Limits, adapter: Any, usual: Any = None
+) -> tuple[Any, int, Any]:
     """The values of a forward given ``input_ids`` and a 2D mask (or none), and no token types, embeddings or
     ``cache_position``: without a cache (the usual training, scoring and classification call, and a loop's first
     forward), or a chunk of two or more tokens after a cache whose every layer holds the same ``p`` tokens of the same
@@ -242,10 +245,12 @@ def plain_forward(
     :func:`~neofix._core.read_prefill`; with the caller's (for the families whose positions ``align`` compares with
     the mask), by :func:`~neofix._core._values.read_given`, which passes them on only where every check passes.  A
     chunk here (the usual masks on the CPU), else as a prefill.  As :func:`~neofix._core.align` would read them:
-    ``(settled, p)`` (``p`` 0 without a cache), or ``(None, 0)`` for any other call, and for any call ``align`` would
-    refuse, repair or read differently (the general path aligns those, and says what is wrong).  Shapes are checked
-    first, from the call's arguments alone.  Positions are derived from a left-padded mask for the families that take
-    absolute ones (``adapter.POSITIONS``), as ``align`` derives them.  ``usual``: the family's
+    ``(settled, p, view)`` (``p`` 0 without a cache), or ``(None, 0, view)`` for any other call, and for any call
+    ``align`` would refuse, repair or read differently (the general path aligns those, and says what is wrong);
+    ``view``: the cache's :class:`~neofix._caches.CacheView` where this read it whole (the general path then reads
+    it no more), else ``None``.  Shapes are checked first, from the call's arguments alone.  Positions are derived
+    from a left-padded mask for the families that take absolute ones (``adapter.POSITIONS``), as ``align`` derives
+    them.  ``cache``: the call's (``kwargs``' ``cache`` or ``past_key_values``); ``usual``: the family's
     :func:`~neofix._caches.usual_layer`, or ``None``.
 
     After the decode step a chunk is the most frequent forward, and it is read in this one function: each call, torch
@@ -257,32 +262,31 @@ def plain_forward(
         or kwargs.get("inputs_embeds") is not None
         or kwargs.get("cache_position") is not None
     ):
-        return None, 0
+        return None, 0, None
     if len(shape) != 2 or shape[1] == 0:  # (``shape``: input_ids.shape)
-        return None, 0
+        return None, 0, None
     given = kwargs.get("position_ids")
     if given is not None:
         # the caller's positions, for a family that compares them with the mask, and whose table (if it has one) it
         # looks them up in (read_given and the chunk's read below leave their range to that lookup); long, 2D, one row
         # or one per input row, a column per new token (each read of a shape builds a torch.Size: read once)
         if kind not in COMPARED_KINDS or (not derive and limits[0] is not None):
-            return None, 0
+            return None, 0, None
         fits = given.shape
         if len(fits) != 2 or fits[1] != shape[1] or fits[0] not in (1, shape[0]) or given.dtype != _LONG:
-            return None, 0
-    cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
+            return None, 0, None
     mask = kwargs.get("attention_mask")
     if cache is None:
         limit = limits[0]  # max_positions
         if (limit is not None and shape[1] > limit) or not shapes_fit(
             0, input_ids, shape, mask, None if mask is None else mask.shape
         ):
-            return None, 0
+            return None, 0, None
         if given is not None:  # the caller's positions: unchanged where every check passes, else the general path
-            return read_given(input_ids, given, mask), 0
-        return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), 0
-    if mask is None or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):  # the general path wraps such tuples
-        return None, 0
+            return read_given(input_ids, given, mask), 0, None
+        return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), 0, None
+    if mask is None or shape[1] < 2 or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):
+        return None, 0, None  # no chunk (a decode step's cache is read by aligned_decode_step); such tuples: wrapped
     # The usual growing cache (transformers 4.56 and later, ``usual``: its layers' type), read from its keys' shapes,
     # one ``.shape`` per layer in place of each layer's ``get_seq_length`` (a call into transformers costs several
     # microseconds right after a forward): ``layers`` or more layers of that type, each holding keys of the same shape
@@ -321,11 +325,10 @@ def plain_forward(
         or len(mask_shape) != 2
         or mask_shape[0] != shape[0]
         or mask_shape[1] != past + shape[1]
-        or shape[1] < 2
         or input_ids.dtype != _LONG
         or mask.dtype != _LONG
     ):
-        return None, 0
+        return None, 0, view
     if view is not None:
         check_cache(view, shape[0], shape[1], limits)  # what align checks (and raises) before it reads a value
     width = mask_shape[1]
@@ -349,7 +352,7 @@ def plain_forward(
         else:
             if given is None:
                 if not padded or not derive:  # every real token at its column: transformers' positions are right
-                    return _CHUNK_UNCHANGED, past
+                    return _CHUNK_UNCHANGED, past, view
                 # each row one slice of the table of zeros then counts (int64 bytes), copied into one bytearray,
                 # handed to torch with one frombuffer: right after a forward, a quarter cheaper than a cumsum and its
                 # slice (callgrind), and a new tensor, as the caller's positions must be
@@ -363,27 +366,27 @@ def plain_forward(
                     pads *= 8
                     joined += table[start - pads : stop - pads]
                 positions = _frombuffer(joined, dtype=_LONG).view(len(pads_of), width - past)
-                return _new(Settled, (positions, True, None, (), _DERIVED_IN_CHUNK_ONLY)), past
+                return _new(Settled, (positions, True, None, (), _DERIVED_IN_CHUNK_ONLY)), past, view
             values = given.tolist()  # the one read of the positions
             counts = _values._COUNTING[0]
             if len(counts) < width:
                 counts = _counting(width)[0]
             if not padded:  # each row (or the one shared by every row) counts on from the cache: at C speed
                 if values.count(counts[past:width]) == len(values):
-                    return _new(Settled, (given, True, None, (), ())), past
-                return None, 0
+                    return _new(Settled, (given, True, None, (), ())), past, view
+                return None, 0, view
             shared = values[0] if len(values) == 1 else None  # one row of positions for every row
             for index, pads in enumerate(pads_of):
                 # a row's real new tokens (from column max(pads, past)) count from 0 at its first real token
                 first = pads if pads > past else past
                 if (values[index] if shared is None else shared)[first - past :] != counts[first - pads : width - pads]:
-                    return None, 0
-            return _new(Settled, (given, True, None, (), ())), past
+                    return None, 0, view
+            return _new(Settled, (given, True, None, (), ())), past, view
     if given is not None:
-        return None, 0
+        return None, 0, view
     # an accelerator (its reads are torch operations), or a mask of right padding, a gap or other values
     settled = read_prefill(input_ids, mask, limits, settings.uncached_positions, past, derive)
-    return settled, past
+    return settled, past, view
 
 
 def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple, kwargs: dict, adapter: Any) -> Any:
@@ -397,8 +400,7 @@ def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple
     input_ids = kwargs.get("input_ids")
     if input_ids is not None and input_ids.dim() != 2:
         return original(self, **kwargs)
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    view = adapter.read_cache(cache, adapter.layers(self))
+    view = adapter.read_cache(_caches.of_call(kwargs)[1], adapter.layers(self))
     step = StepInputs(
         input_ids,
         kwargs.get("inputs_embeds"),
@@ -421,22 +423,26 @@ def _compiled_step(self: Any, original: Any, names: tuple[str, ...], args: tuple
     return original(self, **kwargs)
 
 
-def aligned_decode_step(input_ids: Any, shape: Any, kwargs: dict, layers: int, limits: Limits, adapter: Any) -> Any:
-    """The cache view of a decode step :func:`~neofix._core.align` would leave as it is (see
+def aligned_decode_step(
+    shape: Any, kwargs: dict, cache: Any, layers: int, limits: Limits, adapter: Any
+) -> tuple[Any, bool]:
+    """``(view, unchanged)`` for a decode step (``shape``: its input_ids' shape, two dimensions, one new token;
+    ``cache``: the call's):
+    ``unchanged`` where :func:`~neofix._core.align` would leave the step as it is (see
     :func:`~neofix._core.step_unchanged`, read from the call's arguments and the cache's shapes; no tensor is read),
-    or ``None``.  The model forward then calls transformers with the caller's arguments untouched.
+    and the model forward then calls transformers with the caller's arguments untouched.  ``view``: the cache's
+    :class:`~neofix._caches.CacheView` where it was read (the general path reads it no more), else ``None``.
 
     Positions must be none, or generate's own (built from the mask by transformers): positions a caller passes are
     compared with the mask's on the device, which the general path does.
     """
-    if kwargs.get("inputs_embeds") is not None:  # (``shape``: input_ids.shape, two dimensions, one new token)
-        return None
-    cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
+    if kwargs.get("inputs_embeds") is not None:
+        return None, False
     if cache is None or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):
-        return None
+        return None, False
     positions = kwargs.get("position_ids")
     if positions is not None and not _is_trusted(positions):
-        return None
+        return None, False
     mask = kwargs.get("attention_mask")
     cache_position = kwargs.get("cache_position")
     view = adapter.read_cache(cache, layers)
@@ -451,7 +457,7 @@ def aligned_decode_step(input_ids: Any, shape: Any, kwargs: dict, layers: int, l
         limits,
         adapter.POSITIONS != "absolute",  # missing positions are the model's own business
     )
-    return view if unchanged else None
+    return view, unchanged
 
 
 # -- positions transformers' generate built (trusted: compared with nothing on decode steps) ------------------------
@@ -612,7 +618,7 @@ def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
     fed = inputs.get("input_ids") if isinstance(inputs, dict) else None
     if full is None or fed is None or is_tracing(full) or full.dim() != 2:
         return inputs
-    cache = inputs.get("cache", inputs.get("past_key_values"))
+    cache = _caches.of_call(inputs)[1]
     if cache is None:
         return inputs
     past = _caches.length(cache)

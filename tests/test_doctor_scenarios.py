@@ -263,15 +263,19 @@ def test_greedy_reference_matches_generate_when_a_row_ends():
 
 
 def test_output_cache_under_either_name(ctx):
-    """A forward's cache as the scenarios read it back: ``cache`` (transformers 5.x), else ``past_key_values``,
-    read by the name the output has (never through 5.x's deprecated alias); None when the output carries none."""
+    """A forward's cache as the scenarios (and DecodeState, and the right-padding check) read it back
+    (``_caches.of_output``): ``cache`` (transformers 5.x), else ``past_key_values``, read by the name the output has
+    (never through 5.x's deprecated alias), a name holding None skipped; None when the output carries none."""
+    from neofix._caches import of_output
+
     cache = object()
-    assert _scenarios._output_cache({"logits": 1, "cache": cache}) is cache
-    assert _scenarios._output_cache({"logits": 1, "past_key_values": cache}) is cache
-    assert _scenarios._output_cache({"logits": 1}) is None
+    assert of_output({"logits": 1, "cache": cache}) is cache
+    assert of_output({"logits": 1, "past_key_values": cache}) is cache
+    assert of_output({"logits": 1, "cache": None, "past_key_values": cache}) is cache
+    assert of_output({"logits": 1}) is None and of_output({"cache": None}) is None and of_output((cache,)) is None
     with torch.no_grad():
         out = ctx.model(input_ids=ctx.ids, attention_mask=ctx.mask, use_cache=True)
-    assert _scenarios._output_cache(out) is output_cache(out)
+    assert of_output(out) is output_cache(out)
 
 
 # --- what the decoding scenarios feed the model -----------------------------------------------------------------

@@ -21,12 +21,18 @@ import transformers
 
 import neofix
 from neofix import _errors, _wrappers
+from neofix._caches import of_call
 from neofix._core import Policy, StepInputs, align
 from neofix._families import gpt_neo
 from neofix.testing import reference_positions, tiny_gpt_neo
 
 from ._versions import as_cache_object, cache_keyword, legacy, output_cache
 from .loops import left_padded_batch
+
+
+def _plain_forward(ids, kwargs, *rest):
+    """``plain_forward`` as the model forward calls it, given ``input_ids`` and the call's other keyword arguments."""
+    return _wrappers.plain_forward(ids, ids.shape, kwargs, of_call(kwargs)[1], *rest)
 
 
 def prefill(model, ids, mask):
@@ -129,8 +135,9 @@ def in_step(model, kwargs):
     shape = kwargs["input_ids"].shape
     if len(shape) != 2 or shape[1] != 1:  # the model forward asks only for one new token per row
         return False
-    view = _wrappers.aligned_decode_step(kwargs["input_ids"], shape, kwargs, layers, limits, gpt_neo)
-    return view is not None
+    view, unchanged = _wrappers.aligned_decode_step(shape, kwargs, of_call(kwargs)[1], layers, limits, gpt_neo)
+    assert view is not None or not unchanged
+    return unchanged
 
 
 def aligned_unchanged(model, kwargs):
@@ -223,9 +230,9 @@ def test_generate_takes_the_fast_path(model, monkeypatch):
     taken = []
     real = _wrappers.aligned_decode_step
 
-    def spy(input_ids, *args):
-        result = real(input_ids, *args)
-        taken.append((input_ids.shape[1], result is not None))
+    def spy(shape, *args):
+        result = real(shape, *args)
+        taken.append((shape[1], result[1]))
         return result
 
     monkeypatch.setattr(_wrappers, "aligned_decode_step", spy)
@@ -502,8 +509,8 @@ def test_positions_of_masks_wider_than_any_before_are_the_masks(monkeypatch):
             keys = torch.zeros(3, 4, past, 8)
             cache = tuple((keys, keys) for _ in range(4))  # read whole
             kwargs = {"attention_mask": mask, "past_key_values": cache}
-            settled, read = _wrappers.plain_forward(ids[:, past:], ids[:, past:].shape, kwargs, 4, limits, family)
-            assert read == past and settled.positions.is_contiguous()
+            settled, read, view = _plain_forward(ids[:, past:], kwargs, 4, limits, family)
+            assert read == past and settled.positions.is_contiguous() and view.length == past  # the tuple, read whole
             assert torch.equal(settled.positions, want[:, past:]), (width, past)
 
 
@@ -548,7 +555,7 @@ if given is not None:
             with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 if not fast:
-                    patch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0))
+                    patch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0, None))
                 with torch.no_grad(), neofix.trace(model) as steps:
                     if uncached != "none":
                         cache = output_cache(model(**prefill))
@@ -592,7 +599,7 @@ def run_outcome(model, prefill, chunk, fast):
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if not fast:
-            patch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0))
+            patch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0, None))
         with torch.no_grad(), neofix.trace(model) as steps:
             if prefill is not None:
                 chunk[cache_keyword()] = output_cache(model(**prefill))
@@ -785,10 +792,10 @@ def test_given_positions_of_a_family_without_the_lookup_take_the_general_path():
     _, layers, limits = _wrappers._read_model_facts(model.model.decoder, opt)
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.tensor([[0, 1, 2]])}
-    assert _wrappers.plain_forward(ids, ids.shape, kwargs, layers, limits, opt)[0] is not None
+    assert _plain_forward(ids, kwargs, layers, limits, opt)[0] is not None
     ranged = limits._replace(max_positions=64)
-    assert _wrappers.plain_forward(ids, ids.shape, kwargs, layers, ranged, opt) == (None, 0)
-    assert _wrappers.plain_forward(ids, ids.shape, kwargs, layers, ranged, gpt_neo)[0] is not None
+    assert _plain_forward(ids, kwargs, layers, ranged, opt) == (None, 0, None)
+    assert _plain_forward(ids, kwargs, layers, ranged, gpt_neo)[0] is not None
 
 
 # -- a chunk's cache read from its keys' shapes (transformers 4.56 and later) ---------------------------------------
@@ -858,12 +865,23 @@ def test_the_usual_layer_is_dynamic_layer_from_transformers_4_56_and_for_the_com
         reader = _reading_whole(gpt_neo)
         ids, kwargs = _chunk_after(DynamicCache(), 2, 3, 5)  # no layers: nothing to tell, read whole
         with pytest.raises(_ReadWhole):
-            _wrappers.plain_forward(ids, ids.shape, kwargs, 4, _tiny_limits(64), reader, usual)
+            _plain_forward(ids, kwargs, 4, _tiny_limits(64), reader, usual)
         keys = torch.zeros(2, 4, 5, 8)
         ids, kwargs = _chunk_after(tuple((keys, keys) for _ in range(4)), 2, 3, 5)  # a legacy cache: never its shapes
         reader.LEGACY_CACHE_REJECTED = False
         with pytest.raises(_ReadWhole):
-            _wrappers.plain_forward(ids, ids.shape, kwargs, 4, _tiny_limits(64), reader, usual)
+            _plain_forward(ids, kwargs, 4, _tiny_limits(64), reader, usual)
+    # one new token after a cache: a decode step's (aligned_decode_step reads its cache), no chunk: nothing read here
+    keys = torch.zeros(2, 4, 5, 8)
+    caches = [tuple((keys, keys) for _ in range(4))]
+    if usual is not None:
+        caches.append(DynamicCache())
+        caches[-1].layers = [_cache_layer("dynamic", (2, 4, 5, 8)) for _ in range(4)]
+    for cache in caches:
+        ids, kwargs = _chunk_after(cache, 2, 1, 5)
+        reader = _reading_whole(gpt_neo)
+        reader.LEGACY_CACHE_REJECTED = False
+        assert _plain_forward(ids, kwargs, 4, _tiny_limits(64), reader, usual) == (None, 0, None)
 
 
 if given is not None:
@@ -878,7 +896,7 @@ if given is not None:
             st.lists(st.sampled_from(_LAYER_KINDS), max_size=5),
         ),
         st.sampled_from([2, 1, 0]),
-        st.integers(1, 4),
+        st.integers(2, 4),
         st.sampled_from([None, 8, 9, 64]),
     )
     @example((2, 4, 5, 8), ["dynamic"] * 4, 2, 3, 64)  # the usual cache
@@ -908,14 +926,13 @@ if given is not None:
         limits = _tiny_limits(max_positions)
         ids, kwargs = _chunk_after(cache, batch, new, shape[2])
         try:
-            settled, past = _wrappers.plain_forward(
-                ids, ids.shape, kwargs, 4, limits, _reading_whole(gpt_neo), _caches.usual_layer(_caches.read)
+            settled, past, view = _plain_forward(
+                ids, kwargs, 4, limits, _reading_whole(gpt_neo), _caches.usual_layer(_caches.read)
             )
         except _ReadWhole:
             past = 0
-        else:  # taken from the shapes; a chunk of one token is a decode step's: not read further, nor settled
-            assert (settled is not None, past) == ((True, shape[2]) if new > 1 else (False, 0))
-            past = shape[2]
+        else:  # taken from the shapes: no view read
+            assert settled is not None and past == shape[2] and view is None
 
         first = cache.layers[:4]
         holding = [type(layer) is DynamicLayer and layer.get_seq_length() > 0 for layer in first]
@@ -1060,3 +1077,55 @@ def test_a_decode_step_on_a_cache_of_fewer_heads_of_the_same_width_is_refused(mo
     with torch.no_grad(), pytest.raises(neofix.InputShapeError) as caught:
         model(**step)
     assert str(caught.value).startswith("the cache holds keys of 2 heads of width 8, but this model has 4 heads of width 8")
+
+
+# -- a step's cache is read once ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "step",
+    ["stale mask", "checked values", "caller's positions", "chunk of a float mask", "left-padded chunk", "prefill"],
+)
+def test_a_forward_reads_its_cache_at_most_once(model, monkeypatch, step):
+    """Whichever path a forward takes (the decode step's fast check, the plain forward's read, the general
+    alignment, or one after another), the cache's view (its length, rows and layers) is read at most once: a decode
+    step that misses the fast path (a stale mask, repaired; values checked; the caller's positions) and a chunk the
+    plain read hands on (a float mask) once; a left-padded chunk on the usual growing cache never (its keys'
+    shapes alone), on other caches once; a prefill never (it has no cache).  The outputs are those of the full
+    recompute."""
+    from neofix import _caches
+
+    ids, mask = left_padded_batch([7, 5])
+    past = 5
+    with torch.no_grad():
+        cache = output_cache(model(input_ids=ids[:, :past], attention_mask=mask[:, :past], use_cache=True))
+    call = {"attention_mask": mask[:, : past + 1], cache_keyword(): cache, "input_ids": ids[:, past : past + 1]}
+    width = past + 1
+    if step == "stale mask":
+        call["attention_mask"] = mask[:, :past]  # extended by neofix (a warned repair)
+    elif step == "checked values":
+        neofix.configure(check_values=True)
+    elif step == "caller's positions":
+        call["position_ids"] = reference_positions(mask[:, :width])[:, past:]
+    elif step == "chunk of a float mask":
+        width = past + 2
+        call["attention_mask"], call["input_ids"] = mask[:, :width].float(), ids[:, past:width]  # (the general path)
+    elif step == "left-padded chunk":
+        width = past + 2
+        call["attention_mask"], call["input_ids"] = mask[:, :width], ids[:, past:width]
+    else:
+        width = past
+        call = {"input_ids": ids[:, :past], "attention_mask": mask[:, :past]}
+    reads = []
+    for name in ("_read_layers", "_read_legacy", "_read_key_cache"):
+        real = getattr(_caches, name)
+        monkeypatch.setattr(_caches, name, lambda *args, real=real: reads.append(args) or real(*args))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logits = model(**call).logits
+    chunk_of_shapes = step == "left-padded chunk" and _caches.usual_layer(gpt_neo.read_cache) is not None
+    assert len(reads) == (0 if step == "prefill" or chunk_of_shapes else 1)
+    full = mask[:, :width]
+    with neofix.unpatched(), torch.no_grad():
+        expected = model(input_ids=ids[:, :width], attention_mask=full, position_ids=reference_positions(full)).logits
+    torch.testing.assert_close(logits, expected[:, -logits.shape[1] :], rtol=1e-4, atol=1e-4)

@@ -311,7 +311,7 @@ def on_path(path, monkeypatch):
     from neofix._core import _values
 
     if path == "general":
-        monkeypatch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0))
+        monkeypatch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0, None))
     monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path != "accelerator")
 
 

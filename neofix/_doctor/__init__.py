@@ -21,12 +21,10 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from .. import _config, _lifecycle
 from .._errors import NeofixError
-from .._families import GPT_NEO
 from .._version import __version__
 
 __all__ = ["DoctorUsageError", "Report", "Row", "run"]
 
-GPT_NEO_MODULE = GPT_NEO.module
 _SMALL_MODEL = 20_000_000  # parameters; below this the self-check runs on one CPU thread
 
 

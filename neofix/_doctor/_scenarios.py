@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .._caches import keyword as cache_keyword
+from .._caches import of_output
 from .._errors import (
     BatchMismatchError,
     MaskLengthError,
@@ -135,13 +136,6 @@ def _finish_like_generate(tokens: torch.Tensor, eos: int | None, pad: int) -> to
     return tokens
 
 
-def _output_cache(outputs: Any) -> Any:
-    for name in ("cache", "past_key_values"):  # 5.x outputs carry .cache
-        if name in outputs.keys():
-            return outputs[name]
-    return None
-
-
 @torch.no_grad()
 def decode(
     ctx: Context,
@@ -197,7 +191,7 @@ def decode(
         if cache is not None:
             kwargs[ctx.cache_keyword] = cache
         out = ctx.model(**kwargs)
-        cache = _output_cache(out)
+        cache = of_output(out)
         if step >= len(feeds) - 1:
             next_tokens = out.logits[:, -1:].argmax(-1)
             generated.append(next_tokens)

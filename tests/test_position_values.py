@@ -502,3 +502,39 @@ def test_a_chunks_derived_positions_are_silent_even_where_its_prefill_said_nothi
     assert said(caught) == []
     assert torch.equal(chunk.argmax(-1), whole.argmax(-1))
     torch.testing.assert_close(chunk, whole, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("pad_position", [0, 1])  # reference_positions' pads; transformers' generate fills pads with 1
+def test_a_chunks_given_positions_at_its_pads_are_not_compared(path, pad_position, monkeypatch):
+    """A chunk whose new columns hold a row's left padding, given the mask's positions with the pads at 0 or at 1
+    (what generate fills them with): only real tokens' positions are compared with the mask's, so nothing is
+    repaired or said, and the logits are vanilla's given the same positions, bit for bit, pads included; the same on
+    every read path.  The positions ``align`` computes inside ``torch.compile`` (from shapes, on the device) are the
+    given ones too."""
+    from neofix._core import Policy, StepInputs, align
+    from neofix._families import gpt_neo
+
+    on_path(path, monkeypatch)
+    model = tiny_gpt_neo(dtype=torch.float32)
+    ids, mask = left_padded_batch([8, 3])  # row 1: five pads, three of them in the chunk after 2 cached columns
+    if path == "bool mask":
+        mask = mask.bool()
+    positions = reference_positions(mask).masked_fill(mask == 0, pad_position)
+    prefill = {"input_ids": ids[:, :2], "attention_mask": mask[:, :2], "position_ids": positions[:, :2]}
+    chunk = {"input_ids": ids[:, 2:], "attention_mask": mask, "position_ids": positions[:, 2:]}
+    with torch.no_grad():
+        with neofix.unpatched():
+            cache = output_cache(model(**prefill, use_cache=True))
+            vanilla = model(**chunk, **{cache_keyword(): cache}).logits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache = output_cache(model(**prefill, use_cache=True))
+            view = gpt_neo.read_cache(cache, model.config.num_layers)  # (the chunk's forward grows the cache)
+            logits = model(**chunk, **{cache_keyword(): cache}).logits
+    assert torch.equal(logits, vanilla)
+    assert said(caught) == []
+    step = StepInputs(chunk["input_ids"], None, chunk["attention_mask"], chunk["position_ids"], None, None)
+    compiling = Policy(compiling=True, positions="absolute")
+    aligned = align(step, view, gpt_neo.limits(model.config), compiling)
+    assert torch.equal(aligned.position_ids, chunk["position_ids"])

@@ -74,10 +74,10 @@ DEFAULT_PAIRS = {  # (run pairs, step pairs) per repeat; --quick: the second tab
     True: {"tiny": (6, 4), "125m": (1, 1)},
 }
 
-#: tensor -> Python conversions (host reads): each one is a host-device synchronisation on an accelerator.  The test
-#: suite's one list (tests/_sync.py), read from the checkout this script lives in.
+#: tensor -> Python conversions (host reads): each one is a host-device synchronisation on an accelerator.  Counted by
+#: the test suite's one counter (tests/_sync.py), read from the checkout this script lives in.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests._sync import HOST_READS as CONVERSIONS  # noqa: E402
+from tests import _sync  # noqa: E402
 
 sys.path.pop(0)
 #: torch calls that only read metadata (no tensor work, no synchronisation)
@@ -359,11 +359,11 @@ TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def neofix_caller() -> bool:
-    """True when the innermost Python frame outside torch belongs to neofix."""
+    """True when the innermost Python frame outside torch (and the host-read counter's mode) belongs to neofix."""
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(TORCH_DIR):
+        if not filename.startswith(TORCH_DIR) and filename != _sync.__file__:
             return filename.startswith(NEOFIX_DIR)
         frame = frame.f_back
     return False
@@ -384,8 +384,12 @@ def neofix_work(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
                 calls.append((name, shapes))
             return func(*args, **(kwargs or {}))
 
+    reads = _sync.HostReads()  # the host reads (conversions), counted as the test suite counts them
+    reads.paused = True
+
     def count_forward(module: Any, inputs: Any, output: Any) -> None:
         forwards[0] += 1  # after the first (prefill) forward, every call belongs to a decode step
+        reads.paused = False
 
     set_patched(True)
     from neofix._families import FAMILIES
@@ -394,7 +398,7 @@ def neofix_work(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
     base = next(module for module in model.modules() if type(module).__name__ in bases)
     handle = base.register_forward_hook(count_forward)
     try:
-        with Recorder():
+        with Recorder(), reads:  # the counter innermost: it names the frame that asked for each read
             generate(model, ids, mask)
     finally:
         handle.remove()
@@ -408,7 +412,7 @@ def neofix_work(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
         "metadata_reads_per_step": (len(calls) - len(work)) / steps,
         "tensor_ops_per_step": len(work) / steps,
         "tensor_ops": ops,
-        "conversions": sum(1 for name, _ in work if name in CONVERSIONS),
+        "conversions": len(reads.by_neofix),
         "cache_tensor_ops": sum(1 for _, shapes in work if any(len(shape) == 4 for shape in shapes)),
     }
 

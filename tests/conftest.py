@@ -22,10 +22,9 @@ def _neofix_state():
 
 @pytest.fixture
 def vanilla():
-    """Run the test body on unpatched transformers."""
-    neofix.unpatch()
-    yield
-    neofix.patch()
+    """Run the test body on unpatched transformers (``with neofix.unpatched():``)."""
+    with neofix.unpatched():
+        yield
 
 
 @pytest.fixture

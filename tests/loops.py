@@ -1,9 +1,12 @@
-"""Hand-written decoding loops, right and wrong, as GPT-Neo users write them."""
+"""Hand-written decoding loops, right and wrong, as GPT-Neo users write them; and running a call patched and vanilla."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
+import neofix
 from neofix.testing import _takes_positions, reference_positions
 
 from ._versions import as_cache_object, cache_keyword, legacy, output_cache
@@ -19,6 +22,24 @@ def left_padded_batch(lengths, width=None, vocab=96, seed=0):
         ids[row, : width - length] = 0
         mask[row, : width - length] = 0
     return ids, mask
+
+
+def patched_and_vanilla(run: Callable[[], Any], *, vanilla_first: bool = False) -> tuple[Any, Any]:
+    """``run()`` as the test left neofix (patched), and once inside ``with neofix.unpatched():``: ``(patched result,
+    vanilla result)``.  Leaving the block puts back the patch state and which repairs were already reported.
+
+    ``vanilla_first``: the vanilla run goes first (what transformers and torch warn about once per process then
+    lands in it).
+    """
+    assert neofix.is_patched()
+    if vanilla_first:
+        with neofix.unpatched():
+            plain = run()
+        return run(), plain
+    patched = run()
+    with neofix.unpatched():
+        plain = run()
+    return patched, plain
 
 
 @torch.no_grad()

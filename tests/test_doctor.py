@@ -243,13 +243,12 @@ def test_exit_status_1_when_neofix_gets_a_scenario_wrong(monkeypatch, two_scenar
     from neofix import _wrappers
 
     monkeypatch.setattr(_wrappers, "make_model_forward", lambda original, adapter: original)
-    neofix.unpatch()  # the doctor patches with the broken wrapper
-    try:
-        status, out, err = run_main("doctor")
-    finally:
-        neofix.unpatch()  # the doctor put back a patch built with the broken wrapper
-        monkeypatch.undo()
-        neofix.patch()
+    # the doctor patches with the broken wrapper; leaving the block removes that patch and patches with the real one
+    with neofix.unpatched():
+        try:
+            status, out, err = run_main("doctor")
+        finally:
+            monkeypatch.undo()
     assert status == 1, out + err
     stale = next(line for line in out.splitlines() if "hand-written loop, stale mask" in line)
     assert stale.endswith("WRONG, expected reference tokens")
@@ -297,15 +296,15 @@ def test_leaves_the_process_as_found(two_scenarios):
 
 
 def test_unpatched_on_arrival_stays_unpatched(two_scenarios):
-    neofix.unpatch()
-    status, out, _ = run_main("doctor", "--json")
-    assert status == 0, out
-    document = json.loads(out)
-    assert document["patched_on_arrival"] is False
-    assert all(row["right"] for row in document["scenarios"])  # the neofix column was patched all the same
-    assert document["patch_targets"][0]["state"] == "patched"
-    assert not neofix.is_patched()
-    assert not _lifecycle._hooks_enabled  # the import hook stays off, as neofix.unpatch() left it
+    with neofix.unpatched():
+        status, out, _ = run_main("doctor", "--json")
+        assert status == 0, out
+        document = json.loads(out)
+        assert document["patched_on_arrival"] is False
+        assert all(row["right"] for row in document["scenarios"])  # the neofix column was patched all the same
+        assert document["patch_targets"][0]["state"] == "patched"
+        assert not neofix.is_patched()
+        assert not _lifecycle._hooks_enabled  # the import hook stays off, as neofix.unpatched() left it
 
 
 # --- --model ------------------------------------------------------------------------------------------------------

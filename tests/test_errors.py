@@ -578,15 +578,12 @@ def test_invalid_step_raises_a_clear_error(model, model32, name):
     assert_same_model(before_model, model)
     assert_same_cache(before_cache, cache)
 
-    neofix.unpatch()
-    try:
+    with neofix.unpatched():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             vanilla_call, _ = spec.build(model32)
             right = spec.well_formed(model32)[0] if spec.well_formed else None
         assert_vanilla(name, vanilla_call, wrong=right and (lambda out: other_tokens(out, right())))
-    finally:
-        neofix.patch()
 
 
 def other_tokens(out: Any, well_formed: Any) -> bool:
@@ -684,11 +681,8 @@ def test_generate_that_fits_exactly_runs(short, length):
     out = short.generate(ids, **kwargs)
     assert out.shape == (2, 17)
     assert torch.equal(out, reference_greedy(short, ids, mask, new))
-    neofix.unpatch()
-    try:
+    with neofix.unpatched():
         assert torch.equal(out, short.generate(ids, **kwargs))  # vanilla runs it too
-    finally:
-        neofix.patch()
 
 
 # -- value checks: check_values=True compares given positions with the mask; the default stays sync-free ----------
@@ -783,13 +777,9 @@ def test_check_values_ignores_the_positions_of_pads(model32, mode, split):
         warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' own (tuple caches, 4.45 - 4.53)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         patched = chunked_forwards(model32, ids, mask, positions, split)
-    neofix.unpatch()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plain = chunked_forwards(model32, ids, mask, positions, split)
-    finally:
-        neofix.patch()
+    with neofix.unpatched(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = chunked_forwards(model32, ids, mask, positions, split)
     assert len(patched) == len(plain) == (2 if split else 1)
     for got, want in zip(patched, plain):
         assert torch.equal(got, want)
@@ -833,11 +823,8 @@ def test_default_decode_steps_add_no_conversion(model, cache_format):
         assert step.by_neofix == [], step.by_neofix
     # and the patched step converts exactly as often as vanilla's (vanilla 4.36 - 4.44 cannot run float64)
     if cache_format == "native" and not has("float64 mask bug"):
-        neofix.unpatch()
-        try:
+        with neofix.unpatched():
             _, plain = counted_loop(model, cache_format=cache_format)
-        finally:
-            neofix.patch()
         assert [len(step.reads) for step in decode] == [len(step.reads) for step in plain]
 
 

@@ -29,7 +29,7 @@ from neofix.testing import FAMILY_CONFIGS, _takes_positions, reference_greedy, t
 
 from ._sync import HostReads
 from ._versions import cache_keyword, legacy, output_cache, requires
-from .loops import decode, left_padded_batch
+from .loops import decode, left_padded_batch, patched_and_vanilla
 
 STEPS = 5
 
@@ -380,10 +380,8 @@ def generate(model, ids, mask, **kwargs):
 
 
 def both(model, call):
-    patched = call(model)
-    with neofix.unpatched():
-        plain = call(model)
-    return patched, plain
+    """``call(model)`` patched, then vanilla: ``(patched, vanilla)``."""
+    return patched_and_vanilla(lambda: call(model))
 
 
 @pytest.mark.parametrize(

@@ -203,11 +203,8 @@ def test_fast_path_output_is_vanilla_output(model32, variant):
     kwargs = step_kwargs(model, variant)
     with torch.no_grad():
         patched = model(**copied(kwargs)).logits
-        neofix.unpatch()
-        try:
+        with neofix.unpatched():
             plain = model(**copied(kwargs)).logits
-        finally:
-            neofix.patch()
     assert torch.equal(patched, plain)
 
 

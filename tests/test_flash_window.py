@@ -36,17 +36,15 @@ def flash():
         calls.append((self, args, kwargs))
         return RAN
 
-    neofix.unpatch()
-    original = vars(owner)["forward"]
-    owner.forward = stub
-    try:
-        neofix.patch()
-        assert owner.forward is not stub, "neofix no longer wraps GPTNeoFlashAttention2.forward"
-        yield calls
-    finally:
-        neofix.unpatch()
-        owner.forward = original
-        neofix.patch()
+    with neofix.unpatched():  # leaving it patches transformers' own forward again
+        original = vars(owner)["forward"]
+        owner.forward = stub
+        try:
+            with neofix.patched():  # over the stub; leaving it removes that patch, the stub in place again
+                assert owner.forward is not stub, "neofix no longer wraps GPTNeoFlashAttention2.forward"
+                yield calls
+        finally:
+            owner.forward = original
 
 
 def attention(kind="local", **overrides):

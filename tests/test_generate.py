@@ -19,18 +19,14 @@ from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 
 from ._vanilla import assert_vanilla
 from ._versions import cache_keyword, has, output_cache, requires
-from .loops import left_padded_batch
+from .loops import left_padded_batch, patched_and_vanilla
 
 NEW = 10
 
 
 def both(run):
-    """``run()`` patched and vanilla: (patched result, vanilla result).  Each run gets fresh inputs."""
-    assert neofix.is_patched()
-    patched = run()
-    with neofix.unpatched():
-        plain = run()
-    return patched, plain
+    """``run()`` patched, then vanilla: (patched result, vanilla result).  Each run gets fresh inputs."""
+    return patched_and_vanilla(run)
 
 
 def generate(model, ids, mask, **kwargs):
@@ -113,11 +109,8 @@ def test_sampling_with_seed(model, batch):
 
     patched, plain = both(run)
     assert torch.equal(patched, plain)
-    neofix.unpatch()
-    try:
+    with neofix.unpatched():
         reference = run(use_cache=False)  # the same seed: every step draws the same random numbers
-    finally:
-        neofix.patch()
     assert torch.equal(patched, reference)
     assert not torch.equal(patched, generate(model, ids, mask, do_sample=False))  # it sampled: not the greedy tokens
 
@@ -168,12 +161,9 @@ def test_continue_from_a_returned_cache(model, batch, uncached):
 
     patched = run()
     assert torch.equal(patched, expected)
-    neofix.unpatch()
-    try:
+    with neofix.unpatched():
         name = f"generate continuing a cache, {uncached} uncached token{'s' if uncached > 1 else ''}"
         assert_vanilla(name, run, wrong=lambda plain: not torch.equal(plain, expected))
-    finally:
-        neofix.patch()
 
 
 @requires("Cache objects")

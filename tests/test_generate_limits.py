@@ -22,6 +22,7 @@ import neofix
 from neofix.testing import reference_greedy, tiny_gpt_neo
 
 from ._versions import cache_keyword, has, requires
+from .loops import patched_and_vanilla
 
 PROMPT = 58  # of 64 positions: 7 new tokens fit (the last one generated is never fed back)
 
@@ -62,10 +63,7 @@ def outcome(model, call):
 
 def both(model, call):
     """The patched outcome, then vanilla's."""
-    patched = outcome(model, call)
-    with neofix.unpatched():
-        plain = outcome(model, call)
-    return patched, plain
+    return patched_and_vanilla(lambda: outcome(model, call))
 
 
 def first_token(model, prompt):

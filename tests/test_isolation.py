@@ -20,7 +20,7 @@ from neofix._families import FAMILIES, GPT_NEO
 from neofix.testing import reference_greedy, tiny_gpt_neo
 
 from ._versions import cache_keyword, output_cache
-from .loops import decode, left_padded_batch
+from .loops import decode, left_padded_batch, patched_and_vanilla
 
 MISSING = object()
 
@@ -244,18 +244,6 @@ def test_two_models_in_two_threads(model, other):
 
 
 # -- a patched model is the same model --------------------------------------------------------------------------------
-
-
-def patched_and_vanilla(function):
-    """``function()`` patched, then unpatched (neofix patched again afterwards)."""
-    assert neofix.is_patched()
-    patched = function()
-    neofix.unpatch()
-    try:
-        vanilla = function()
-    finally:
-        neofix.patch()
-    return patched, vanilla
 
 
 @pytest.fixture(scope="module")

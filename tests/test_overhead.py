@@ -98,11 +98,8 @@ def test_decode_steps_convert_as_often_as_vanilla(model32, name):
     """neofix causes no conversion indirectly either (through a transformers helper it calls, say)."""
     model = model32
     patched = count_conversions(model, lambda: RUNS[name](model)).reads
-    neofix.unpatch()
-    try:
+    with neofix.unpatched():
         vanilla = count_conversions(model, lambda: RUNS[name](model)).reads
-    finally:
-        neofix.patch()
     assert sorted(name for name, _ in patched) == sorted(name for name, _ in vanilla)
 
 

@@ -118,16 +118,11 @@ def test_neofix_repairs_the_shifted_positions(model, monkeypatch):
 @pytest.mark.parametrize("patched", [True, False])
 def test_fails_on_a_masked_newest_token(model, monkeypatch, patched):
     """A fault no patch can see (the mask is the caller's to choose): the reference catches it, patched or not."""
-    if not patched:
-        neofix.unpatch()
-        model = vanilla_model(model)
-    try:
-        model = broken_positions(model, monkeypatch, "masked")
+    with neofix.patched() if patched else neofix.unpatched():
+        model = broken_positions(model if patched else vanilla_model(model), monkeypatch, "masked")
         ids, mask = left_padded_batch([6, 3, 5])
         with pytest.raises(AssertionError, match=r"first at step (\d+) .*\n.*\nthe forward that produced it: step \1:"):
             assert_generation_consistent(model, ids, mask)
-    finally:
-        neofix.patch()
 
 
 def test_fails_on_a_corrupted_cache(model, monkeypatch):

@@ -216,11 +216,8 @@ def test_the_patch_being_removed_inside_a_trace(model):
     model = tiny_gpt_neo(seed=0) if _float64_broken() else model
     with neofix.trace(model) as steps:
         decode(model, ids, mask, 1)
-        neofix.unpatch()
-        try:
+        with neofix.unpatched():
             decode(model, ids, mask, 1)
-        finally:
-            neofix.patch()
     assert [s.patched for s in steps] == [True, False]
 
 

@@ -59,6 +59,8 @@ def size(a: int, b: int, dim: int) -> Raises:
 
 OUT_OF_RANGE = Raises(IndexError, "index out of range in self")  # an embedding lookup past its table
 ALL = "4.26-5.24"
+#: 4.26 - 4.30 build the attention mask from a batch size they want above 0 (a prefill's too)
+BATCH_SIZE = Raises(ValueError, "batch_size has to be defined and > 0")
 UNPACK = Raises(ValueError, "too many values to unpack (expected 2)")  # 4.36's 4D-mask helper
 TUPLE_CACHE = Raises(AttributeError, "'tuple' object has no attribute 'get_seq_length'")  # 4.57 on: tuples rejected
 RESHAPE_EMPTY_4 = Raises(RuntimeError, "cannot reshape tensor of 0 elements into shape [-1, 0] because")
@@ -194,6 +196,17 @@ VANILLA: dict[str, dict[str, Outcome]] = {
     # generate(full sequence, cache of a prefix) (tests/test_generate.py): up to 4.35 only the last token is fed
     "generate continuing a cache, 1 uncached token": {ALL: CORRECT},
     "generate continuing a cache, 3 uncached tokens": {"4.26-4.30": size(4, 6, 3), "4.36-5.24": CORRECT},
+    # a batch of no rows (tests/test_never_break.py), on both read paths; CORRECT: the logits of no rows
+    "ids of no rows": {ALL: CORRECT},
+    "ids and mask of no rows": {"4.26-4.30": BATCH_SIZE, "4.36-5.24": CORRECT},
+    "ids, mask and positions of no rows": {"4.26-4.30": BATCH_SIZE, "4.36-5.24": CORRECT},
+    # with the chunk's positions or without: 5.10 on count 0 tokens for a cache layer of no rows (its keys' numel()),
+    # build the chunk's mask for its 2 new tokens alone, and add it to the scores of the 3 cached and 2 new keys
+    "a chunk of no rows after a prefill of no rows": {
+        "4.26-4.30": BATCH_SIZE,
+        "4.36-5.0": CORRECT,
+        "5.10-5.24": size(5, 2, 3),
+    },
 }
 
 

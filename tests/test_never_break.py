@@ -21,7 +21,9 @@ import torch
 import neofix
 from neofix.testing import reference_positions, tiny_gpt_neo, tiny_gpt_neo_config
 
-from ._versions import cache_keyword, legacy, output_cache, requires
+from ._vanilla import Outcome, Raises, expected
+from ._versions import TF_RELEASE, cache_keyword, legacy, output_cache, requires
+from .loops import patched_and_vanilla
 
 # -- running something patched and vanilla -------------------------------------------------------------------------
 
@@ -92,11 +94,7 @@ def both(run: Callable[[], Any]) -> tuple[Run, Run]:
     Vanilla runs first, so that what transformers and torch warn about once per process (on a first import, a
     first jit.script...) lands in the vanilla run: the patched run must not warn about anything vanilla did not.
     """
-    assert neofix.is_patched()
-    with neofix.unpatched():
-        plain = capture(run)
-    patched = capture(run)
-    return patched, plain
+    return patched_and_vanilla(lambda: capture(run), vanilla_first=True)
 
 
 def assert_adds_nothing(patched: Run, plain: Run) -> None:
@@ -504,11 +502,8 @@ def test_save_and_load_round_trip(tmp_path):
 
         return save_and_load
 
-    neofix.unpatch()
-    try:
+    with neofix.unpatched():
         plain = capture(run("vanilla"))
-    finally:
-        neofix.patch()
     patched = capture(run("patched"))
     assert_ran(patched, plain)
     assert_adds_nothing(patched, plain)
@@ -548,14 +543,44 @@ def test_forward_and_generate_log_nothing_new(model):
 
 # -- a batch of no rows ------------------------------------------------------------------------------------------------
 
+def assert_vanilla_outcome(plain: Run, case: str) -> Outcome:
+    """The vanilla run ended as tests/_vanilla.py says for this release: it raised exactly the recorded exception
+    class (not a subclass) with the fragment in its message, or it ran.  Returns the outcome."""
+    outcome = expected(case)
+    error = plain.error
+    where = f"vanilla transformers {'.'.join(map(str, TF_RELEASE))} on {case!r}: expected {outcome}"
+    got = "it ran" if error is None else f"got {type(error).__name__}: {error}"
+    if isinstance(outcome, Raises):
+        assert error is not None and type(error) is outcome.error and outcome.fragment in str(error), f"{where}, {got}"
+    else:
+        assert error is None, f"{where}, {got}"
+    return outcome
+
+
+def assert_fails_as_vanilla(patched: Run, plain: Run) -> None:
+    """The patched run raised vanilla's error unchanged: the same class and message, raised along the same frames of
+    transformers and torch, with neofix's wrapper among them (neofix ran, and left the refusal to transformers: no
+    ``NeofixError``, no error of its own); and it warned and logged nothing vanilla did not."""
+    assert plain.error is not None and patched.error is not None, (patched.error, plain.error)
+    assert type(patched.error) is type(plain.error), (patched.error, plain.error)
+    assert str(patched.error) == str(plain.error)
+    ours = os.path.dirname(neofix.__file__) + os.sep
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(patched.error.__traceback__)]
+    assert any(filename.startswith(ours) for filename, _, _ in frames), "the patched run did not go through neofix"
+    theirs = [frame for frame in frames if not frame[0].startswith(ours)]
+    vanilla_frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(plain.error.__traceback__)]
+    assert theirs == vanilla_frames, f"raised from {frames[-1]}, not from where vanilla raises it: {vanilla_frames[-1]}"
+    assert_adds_nothing(patched, plain)
+
 
 @pytest.mark.parametrize("path", ["cpu", "accelerator"])
 @pytest.mark.parametrize("inputs", ["ids", "ids and mask", "ids, mask and positions"])
 def test_a_batch_of_no_rows_runs_or_fails_as_vanilla(path, inputs, monkeypatch):
-    """``input_ids`` of shape (0, 5): transformers computes logits of no rows (5.x), or refuses it itself (4.26
-    builds the mask from a batch size it wants > 0); neofix, which has no value to read, changes neither (a
-    reduction over no rows used to raise ``IndexError`` on the accelerator path and wherever positions were
-    given)."""
+    """``input_ids`` of shape (0, 5), on both paths of neofix's reads: vanilla's exact outcome on this release is
+    asserted first (tests/_vanilla.py: the logits of no rows, or 4.26 - 4.30's ``ValueError`` once a mask is given).
+    Where vanilla runs, the patched run runs too, with the same logits of no rows; where it fails, the patched run
+    fails with vanilla's error unchanged.  neofix, which has no value to read, changes neither (a reduction over no
+    rows used to raise ``IndexError`` on the accelerator path and wherever positions were given)."""
     from neofix._core import _values
 
     model = fresh()
@@ -571,8 +596,8 @@ def test_a_batch_of_no_rows_runs_or_fails_as_vanilla(path, inputs, monkeypatch):
             return model(**call)
 
     patched, plain = both(run)
-    if plain.error is not None:  # vanilla's own refusal, unchanged
-        assert type(patched.error) is type(plain.error) and str(patched.error) == str(plain.error)
+    if isinstance(assert_vanilla_outcome(plain, f"{inputs} of no rows"), Raises):
+        assert_fails_as_vanilla(patched, plain)
         return
     assert_identical(patched, plain)
     assert patched.result.logits.shape == (0, 5, 96)
@@ -581,10 +606,13 @@ def test_a_batch_of_no_rows_runs_or_fails_as_vanilla(path, inputs, monkeypatch):
 @pytest.mark.parametrize("path", ["cpu", "accelerator"])
 @pytest.mark.parametrize("given", [False, True])
 def test_a_chunk_of_no_rows_runs_or_fails_as_vanilla(path, given, monkeypatch):
-    """A chunk of no rows after the cache of a prefill of no rows, with a mask over both (and the chunk's positions):
-    where vanilla computes logits of no rows (4.36 - 5.0 do; on 4.57 and 5.0 neofix refused it, taking the 0 tokens a
-    cache layer of no rows counts for its length), so does neofix, reading nothing; where it fails (4.26 refuses a
-    batch of no rows, 5.24 finds the mask wider than the 0 tokens it counts), neofix fails too."""
+    """A chunk of no rows (2 tokens) after the cache of a prefill of no rows (3 tokens), with a mask over both (and
+    the chunk's positions): vanilla's exact outcome on this release is asserted first (tests/_vanilla.py).  Where
+    vanilla computes the logits of no rows (4.36 - 5.0), so does neofix, reading nothing (on 4.57 and 5.0 it refused
+    the chunk with ``MaskLengthError``, taking the 0 tokens such a cache layer counts for its length); where vanilla
+    fails (4.26 - 4.30 refuse the prefill's batch of no rows; 5.10 on, the chunk's mask of 2 columns against 5 keys),
+    the patched run fails with vanilla's error unchanged, neofix leaving the cache of unknown length to
+    transformers."""
     from neofix._core import _values
 
     model = fresh()
@@ -601,10 +629,8 @@ def test_a_chunk_of_no_rows_runs_or_fails_as_vanilla(path, given, monkeypatch):
             return model(**chunk).logits
 
     patched, plain = both(run)
-    if plain.error is not None:
-        assert patched.error is not None and (
-            type(patched.error) is type(plain.error) or isinstance(patched.error, neofix.NeofixError)
-        ), (patched.error, plain.error)
+    if isinstance(assert_vanilla_outcome(plain, "a chunk of no rows after a prefill of no rows"), Raises):
+        assert_fails_as_vanilla(patched, plain)
         return
     assert_identical(patched, plain)
     assert patched.result.shape == (0, 2, 96)

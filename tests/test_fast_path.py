@@ -240,6 +240,48 @@ def test_generate_takes_the_fast_path(model, monkeypatch):
     assert len(decode_steps) == 4 and all(decode_steps), taken
 
 
+MODEL_POSITIONED = ["bloom", "codegen", "gpt_neox", "gptj", "opt"]  # families that build missing positions themselves
+
+
+@pytest.mark.parametrize("family", MODEL_POSITIONED)
+def test_decode_steps_without_positions_take_the_fast_path_where_the_model_builds_them(family, monkeypatch):
+    """A loop's decode steps given a mask over the cached and new tokens and no positions, in a family whose model
+    builds missing positions itself (rotary, from the mask, or none at all): already aligned, so they take the fast
+    path, and compute vanilla's logits."""
+    from neofix._families import FAMILIES
+    from neofix.testing import tiny_model
+
+    model = _chunk_model(family) if family in CHUNK_FAMILIES else tiny_model(family)
+    assert FAMILIES[family].load_adapter().POSITIONS != "absolute"
+    taken = []
+    real = _wrappers.aligned_decode_step
+
+    def spy(shape, *args):
+        result = real(shape, *args)
+        taken.append(result[1])
+        return result
+
+    def loop():
+        ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=torch.ones(2, 3, dtype=torch.long), use_cache=True)
+            logits = [out.logits]
+            for step in range(3):
+                out = model(
+                    input_ids=torch.full((2, 1), 11 + step), attention_mask=torch.ones(2, 4 + step, dtype=torch.long),
+                    use_cache=True, **{cache_keyword(model): output_cache(out)},
+                )
+                logits.append(out.logits)
+        return torch.cat(logits, dim=1)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_wrappers, "aligned_decode_step", spy)
+        patched = loop()
+    assert taken == [True] * 3
+    with neofix.unpatched():
+        assert torch.equal(patched, loop())
+
+
 def test_per_model_facts_do_not_keep_models_alive():
     model = tiny_gpt_neo(num_layers=2)
     ids = torch.tensor([[3, 4, 5]])

@@ -16,11 +16,11 @@ import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import neofix
-from neofix import _compat, _errors, _wrappers
+from neofix import _caches, _compat, _errors, _wrappers
 from neofix._families import gpt_neo
 from neofix.testing import reference_greedy, tiny_gpt_neo
 
-from ._versions import has, output_cache
+from ._versions import cache_keyword, has, output_cache
 from .test_generate_limits import Forwards, outcome  # the model forwards run inside a block; a call's outcome
 
 TABLE = 64
@@ -297,6 +297,23 @@ def test_a_legacy_tuple_cache_is_wrapped_with_one_warning(model):
         f"neofix: a legacy tuple cache was passed, which transformers {transformers.__version__} no longer accepts; "
         f"wrapped it in a DynamicCache. Reported once."
     ]
+
+
+@pytest.mark.skipif(not gpt_neo.LEGACY_CACHE_REJECTED, reason="only transformers 4.54 and later reject tuple caches")
+@pytest.mark.parametrize("keyword", sorted({"past_key_values", cache_keyword(transformers.GPTNeoModel)}))
+def test_a_legacy_tuple_given_to_the_base_model_goes_back_under_the_callers_keyword(model, keyword):
+    """The base model called with a tuple cache under either name it takes (5.x: ``cache``, and ``past_key_values``,
+    deprecated): the wrapped cache is passed on under that name, and the step computes what the Cache object would."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = output_cache(model.transformer(input_ids=ones(2, 5), use_cache=True))
+        tuples = tuple((layer.keys, layer.values) for layer in cache.layers) if has("Cache objects") else cache
+        got = model.transformer(input_ids=ones(2, 1), attention_mask=ones(2, 6), use_cache=True, **{keyword: tuples})
+        expected = model.transformer(
+            input_ids=ones(2, 1), attention_mask=ones(2, 6), use_cache=True, **{cache_keyword(model.transformer): cache}
+        )
+    assert torch.equal(got.last_hidden_state, expected.last_hidden_state)
+    assert _caches.length(output_cache(got)) == 6
 
 
 # -- the base model called directly ------------------------------------------------------------------------------------

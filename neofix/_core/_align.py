@@ -250,70 +250,82 @@ def align_mask(
     """
     if mask is None:
         return None, False
-    past = cache.length
     dims = mask.dim()
     if dims == 2:
-        if mask.shape[0] != batch:
-            raise BatchMismatchError(
-                f"attention_mask has {rows(mask.shape[0])}, but this step feeds {batch}: pass one mask row per input "
-                f"row"
-            )
-        columns = mask.shape[1]
-        if total is None or columns == total:
-            return mask, True
-        expected = (
-            f"attention_mask has {columns} columns, but the cache holds {past} tokens and this step feeds {new}: "
-            f"expected {total}"
-        )
-        if columns > total:
-            raise MaskLengthError(
-                f"{expected}. A longer mask is ambiguous (which columns belong to the cache?): pass the mask of "
-                f"exactly the cached plus the new tokens"
-            )
-        if past and (columns == new or columns > past):
-            # as wide as the new tokens (the chunk's own mask?) or covering only some of them: which columns are the
-            # cache's cannot be told, and extending would be a guess
-            raise MaskLengthError(
-                f"{expected}. It cannot be told which tokens it covers: "
-                + (
-                    f"as wide as this step's {tokens(new)}, it may be their mask alone (a chunk's own mask), or the "
-                    f"mask of the first {columns} cached tokens not extended since"
-                    if columns == new
-                    else f"it covers the {past} cached tokens and only some of the {tokens(new)}"
-                )
-                + ". Pass the mask of exactly the cached plus the new tokens (torch.cat([mask_so_far, new_mask], -1))"
-            )
-        if strict:
-            raise MaskLengthError(f"{expected}. The mask was not extended for the new tokens: {FIX_MASK}")
-        repairs.append(
-            Repair(
-                MASK_EXTENDED,
-                f"neofix: {expected}; extended it with ones on the right (the classic 'mask not extended' decoding "
-                f"bug). To fix your loop: {FIX_MASK}. Reported once.",
-            )
-        )
-        return torch.cat([mask, mask.new_ones((batch, total - columns))], dim=-1), True
+        return _align_padding_mask(mask, batch, new, cache.length, total, strict, repairs), True
     if dims in (3, 4):
-        if mask.shape[0] not in (1, batch):
-            raise BatchMismatchError(
-                f"the {dims}D attention_mask has {rows(mask.shape[0])}, but this step feeds {batch}: pass one mask "
-                f"row per input row (or one for all)"
-            )
-        keys = mask.shape[-1]
-        if cache.capacity is not None:  # the keys span every slot (a mask of the tokens so far runs on no release)
-            fits = keys == cache.capacity
-            needs = f"{cache.capacity} (the static cache's slots)"
-        else:
-            fits = total is None or keys == total
-            needs = f"{total}: one column per cached plus new token (the cache holds {past})"
-        if mask.shape[-2] != new or not fits:
-            raise MaskLengthError(
-                f"the {dims}D attention_mask has shape {tuple(mask.shape)}, but this step needs {new} row"
-                f"{'s' if new != 1 else ''} (one per new token) and {needs} columns; or pass the 2D (batch, cached + "
-                f"new tokens) padding mask and let the model build the rest"
-            )
+        _check_model_mask(mask, dims, batch, new, cache, total)
         return mask, False
     raise InputShapeError(f"attention_mask has shape {tuple(mask.shape)}; pass a 2D (batch, cached + new tokens) mask")
+
+
+def _align_padding_mask(
+    mask: Any, batch: int, new: int, past: int | None, total: int | None, strict: bool, repairs: list[Repair]
+) -> Any:
+    """A 2D padding mask of one row per input row, extended with ones where it covers the cache but not the new
+    tokens; one that is longer, or whose columns cannot be told apart, is refused."""
+    if mask.shape[0] != batch:
+        raise BatchMismatchError(
+            f"attention_mask has {rows(mask.shape[0])}, but this step feeds {batch}: pass one mask row per input "
+            f"row"
+        )
+    columns = mask.shape[1]
+    if total is None or columns == total:
+        return mask
+    expected = (
+        f"attention_mask has {columns} columns, but the cache holds {past} tokens and this step feeds {new}: "
+        f"expected {total}"
+    )
+    if columns > total:
+        raise MaskLengthError(
+            f"{expected}. A longer mask is ambiguous (which columns belong to the cache?): pass the mask of "
+            f"exactly the cached plus the new tokens"
+        )
+    if past and (columns == new or columns > past):
+        # as wide as the new tokens (the chunk's own mask?) or covering only some of them: which columns are the
+        # cache's cannot be told, and extending would be a guess
+        raise MaskLengthError(
+            f"{expected}. It cannot be told which tokens it covers: "
+            + (
+                f"as wide as this step's {tokens(new)}, it may be their mask alone (a chunk's own mask), or the "
+                f"mask of the first {columns} cached tokens not extended since"
+                if columns == new
+                else f"it covers the {past} cached tokens and only some of the {tokens(new)}"
+            )
+            + ". Pass the mask of exactly the cached plus the new tokens (torch.cat([mask_so_far, new_mask], -1))"
+        )
+    if strict:
+        raise MaskLengthError(f"{expected}. The mask was not extended for the new tokens: {FIX_MASK}")
+    repairs.append(
+        Repair(
+            MASK_EXTENDED,
+            f"neofix: {expected}; extended it with ones on the right (the classic 'mask not extended' decoding "
+            f"bug). To fix your loop: {FIX_MASK}. Reported once.",
+        )
+    )
+    return torch.cat([mask, mask.new_ones((batch, total - columns))], dim=-1)
+
+
+def _check_model_mask(mask: Any, dims: int, batch: int, new: int, cache: CacheView, total: int | None) -> None:
+    """Refuse a 3D or 4D mask of other rows or columns than the step's (it is used as given, never repaired)."""
+    if mask.shape[0] not in (1, batch):
+        raise BatchMismatchError(
+            f"the {dims}D attention_mask has {rows(mask.shape[0])}, but this step feeds {batch}: pass one mask "
+            f"row per input row (or one for all)"
+        )
+    keys = mask.shape[-1]
+    if cache.capacity is not None:  # the keys span every slot (a mask of the tokens so far runs on no release)
+        fits = keys == cache.capacity
+        needs = f"{cache.capacity} (the static cache's slots)"
+    else:
+        fits = total is None or keys == total
+        needs = f"{total}: one column per cached plus new token (the cache holds {cache.length})"
+    if mask.shape[-2] != new or not fits:
+        raise MaskLengthError(
+            f"the {dims}D attention_mask has shape {tuple(mask.shape)}, but this step needs {new} row"
+            f"{'s' if new != 1 else ''} (one per new token) and {needs} columns; or pass the 2D (batch, cached + "
+            f"new tokens) padding mask and let the model build the rest"
+        )
 
 
 # -- 4. token types and cache positions (the same length rules as positions) -----------------------------------------
@@ -364,20 +376,7 @@ def align_positions(
     """
     if positions is None or kind == "none":  # none given, or a family that takes none (left for the model to refuse)
         return positions, False
-    dims = positions.dim()
-    if dims not in (1, 2):
-        raise PositionError(f"position_ids has shape {tuple(positions.shape)}; expected (batch, new_tokens)")
-    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
-        raise PositionError(
-            f"position_ids has dtype {positions.dtype}, but positions are integers (indices into the position "
-            f"table): pass torch.long positions, e.g. (mask.long().cumsum(-1) - 1).clamp(min=0)"
-        )
-    given_rows = positions.shape[0] if dims == 2 else 1
-    if given_rows not in (1, batch):
-        raise BatchMismatchError(
-            f"position_ids has {rows(given_rows)}, but this step feeds {batch}: pass one row per input row (or one row "
-            f"for all)"
-        )
+    _check_positions_shape(positions, batch)
     length = positions.shape[-1]
     if length == new:
         return positions, True
@@ -412,3 +411,21 @@ def align_positions(
         return None, False
     # no 2D mask: every token is real, so positions simply continue after the cache
     return torch.arange(past, total, device=first.device).unsqueeze(0), False  # type: ignore[arg-type]
+
+
+def _check_positions_shape(positions: Any, batch: int) -> None:
+    """Refuse positions that are not a 1D or 2D tensor of integers with one row, or one per input row."""
+    dims = positions.dim()
+    if dims not in (1, 2):
+        raise PositionError(f"position_ids has shape {tuple(positions.shape)}; expected (batch, new_tokens)")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise PositionError(
+            f"position_ids has dtype {positions.dtype}, but positions are integers (indices into the position "
+            f"table): pass torch.long positions, e.g. (mask.long().cumsum(-1) - 1).clamp(min=0)"
+        )
+    given_rows = positions.shape[0] if dims == 2 else 1
+    if given_rows not in (1, batch):
+        raise BatchMismatchError(
+            f"position_ids has {rows(given_rows)}, but this step feeds {batch}: pass one row per input row (or one row "
+            f"for all)"
+        )

@@ -268,12 +268,10 @@ def plain_forward(
     given = kwargs.get("position_ids")
     if given is not None:
         # the caller's positions, for a family that compares them with the mask, and whose table (if it has one) it
-        # looks them up in (read_given and the chunk's read below leave their range to that lookup); long, 2D, one row
-        # or one per input row, a column per new token (each read of a shape builds a torch.Size: read once)
-        if kind not in COMPARED_KINDS or (not derive and limits[0] is not None):
-            return None, 0, None
-        fits = given.shape
-        if len(fits) != 2 or fits[1] != shape[1] or fits[0] not in (1, shape[0]) or given.dtype != _LONG:
+        # looks them up in (read_given and the chunk's read below leave their range to that lookup); long, and (checked
+        # where they are read: a chunk's from its list, for a .shape costs as much right after a forward) 2D, one row
+        # or one per input row, a column per new token
+        if kind not in COMPARED_KINDS or (not derive and limits[0] is not None) or given.dtype != _LONG:
             return None, 0, None
     mask = kwargs.get("attention_mask")
     if cache is None:
@@ -283,6 +281,9 @@ def plain_forward(
         ):
             return None, 0, None
         if given is not None:  # the caller's positions: unchanged where every check passes, else the general path
+            fits = given.shape
+            if len(fits) != 2 or fits[1] != shape[1] or fits[0] not in (1, shape[0]):
+                return None, 0, None
             return read_given(input_ids, given, mask), 0, None
         return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), 0, None
     if mask is None or shape[1] < 2 or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):
@@ -340,9 +341,38 @@ def plain_forward(
         # derived from a left-padded mask (for the families that take absolute ones; silent: said at prefill).
         # Anything else is read below, or aligned.  Token ids and the range of positions are left to the
         # embedding, as read_prefill and read_given leave them.
+        rows = mask.tolist()  # the one read of the mask
+        if given is not None:
+            # the one read of the positions, and of their shape: one row, or one per input row, of a list each (2D or
+            # more: a 1D tensor's rows are ints, a 0D tensor's list an int).  Their length, and 2D rather than 3D,
+            # need no check: each row is compared whole with a list of as many ints as there are new tokens
+            values = given.tolist()
+            if type(values) is not list or not rows or len(values) not in (1, len(rows)) or type(values[0]) is not list:
+                return None, 0, view
+            counts = _values._COUNTING[0]
+            if len(counts) < width:
+                counts = _counting(width)[0]
+            if len(values) == 1:  # one row of positions for every row
+                values *= len(rows)
+            unpadded = counts[past:width]  # the positions of a row without pads: on from the cache
+            for row, own in zip(rows, values):  # _left_pads, inlined, and each row's positions with its pads
+                pads = width - row.count(1)
+                if not pads:
+                    if own != unpadded:
+                        return None, 0, view
+                elif pads == width or row.count(0) != pads or row.index(1) != pads:
+                    return None, 0, view  # right padding, a gap, a row of pads, a value neither 0 nor 1
+                # a padded row's real new tokens count from 0 at its first real token: every new token, where the
+                # pads end within the cache (``own`` from column ``past``), else those from column ``pads``
+                elif pads <= past:
+                    if own != counts[past - pads : width - pads]:
+                        return None, 0, view
+                elif own[pads - past :] != counts[: width - pads]:
+                    return None, 0, view
+            return _new(Settled, (given, True, None, (), ())), past, view
         pads_of = []
         padded = False
-        for row in mask.tolist():  # the one read of the mask; _left_pads, inlined
+        for row in rows:  # _left_pads, inlined
             pads = width - row.count(1)
             if pads:
                 if pads == width or row.count(0) != pads or row.index(1) != pads:
@@ -350,38 +380,22 @@ def plain_forward(
                 padded = True
             pads_of.append(pads)
         else:
-            if given is None:
-                if not padded or not derive:  # every real token at its column: transformers' positions are right
-                    return _CHUNK_UNCHANGED, past, view
-                # each row one slice of the table of zeros then counts (int64 bytes), copied into one bytearray,
-                # handed to torch with one frombuffer: right after a forward, a quarter cheaper than a cumsum and its
-                # slice (callgrind), and a new tensor, as the caller's positions must be
-                counts, table = _values._COUNTING
-                if len(counts) < width:
-                    counts, table = _counting(width)
-                start = 8 * (len(counts) + past)  # a row without pads: the counts from ``past`` on; a pad: 8 bytes left
-                stop = 8 * (len(counts) + width)
-                joined = bytearray()
-                for pads in pads_of:
-                    pads *= 8
-                    joined += table[start - pads : stop - pads]
-                positions = _frombuffer(joined, dtype=_LONG).view(len(pads_of), width - past)
-                return _new(Settled, (positions, True, None, (), _DERIVED_IN_CHUNK_ONLY)), past, view
-            values = given.tolist()  # the one read of the positions
-            counts = _values._COUNTING[0]
+            if not padded or not derive:  # every real token at its column: transformers' positions are right
+                return _CHUNK_UNCHANGED, past, view
+            # each row one slice of the table of zeros then counts (int64 bytes), copied into one bytearray,
+            # handed to torch with one frombuffer: right after a forward, a quarter cheaper than a cumsum and its
+            # slice (callgrind), and a new tensor, as the caller's positions must be
+            counts, table = _values._COUNTING
             if len(counts) < width:
-                counts = _counting(width)[0]
-            if not padded:  # each row (or the one shared by every row) counts on from the cache: at C speed
-                if values.count(counts[past:width]) == len(values):
-                    return _new(Settled, (given, True, None, (), ())), past, view
-                return None, 0, view
-            shared = values[0] if len(values) == 1 else None  # one row of positions for every row
-            for index, pads in enumerate(pads_of):
-                # a row's real new tokens (from column max(pads, past)) count from 0 at its first real token
-                first = pads if pads > past else past
-                if (values[index] if shared is None else shared)[first - past :] != counts[first - pads : width - pads]:
-                    return None, 0, view
-            return _new(Settled, (given, True, None, (), ())), past, view
+                counts, table = _counting(width)
+            start = 8 * (len(counts) + past)  # a row without pads: the counts from ``past`` on; a pad: 8 bytes left
+            stop = 8 * (len(counts) + width)
+            joined = bytearray()
+            for pads in pads_of:
+                pads *= 8
+                joined += table[start - pads : stop - pads]
+            positions = _frombuffer(joined, dtype=_LONG).view(len(pads_of), width - past)
+            return _new(Settled, (positions, True, None, (), _DERIVED_IN_CHUNK_ONLY)), past, view
     if given is not None:
         return None, 0, view
     # an accelerator (its reads are torch operations), or a mask of right padding, a gap or other values

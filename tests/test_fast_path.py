@@ -697,6 +697,12 @@ if given is not None:
     @example([[1] * 7, [1] * 7], 3, "one off", False, [0] * 21, (1, 2), False, None)  # unpadded chunk, one wrong
     @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 3, "mask", True, [0] * 21, (0, 0), False, None)  # one row for two
     @example([[1] * 7, [1] * 7], 3, "mask", True, [0] * 21, (0, 0), False, None)  # one row for two, unpadded
+    @example([[1] * 7, [0, 0, 0, 0, 1, 1, 1]], 2, "one off", False, [0] * 21, (1, 2), False, None)  # a chunk whose
+    # row 1 begins inside it, off at that row's first real token
+    @example([[1] * 7, [1, 1, 1, 1, 1, 0, 0]], 3, "any", False, [3, 4, 5, 6, 1, 2, 3, 4] + [0] * 13, (0, 0), False, None)
+    # a right-padded chunk, given the positions a row with 2 pads then 5 real tokens would take
+    @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 3, "any", False, [3, 4, 5, 6, 1, 2, 3, 4] + [0] * 13, (1, 0), False, 2)
+    # a chunk with a 2 among a row's pads, given the positions 2 pads would give
     def test_given_positions_compute_on_the_fast_path_what_the_general_path_computes(
         family, rows, past, kind, shared, values, cell, strict, odd
     ):
@@ -768,6 +774,7 @@ def test_positions_generate_passes_take_the_fast_path(model, monkeypatch):
         ("cached and new", None),  # as long as the cached and new tokens: the new tokens' are taken
         ("a column more", None),  # another length: derived from the mask instead
         ("three dimensions", neofix.PositionError),
+        ("no dimension", neofix.PositionError),
     ],
 )
 @pytest.mark.parametrize("past", [0, 2])
@@ -786,6 +793,7 @@ def test_given_positions_of_another_shape_or_dtype_are_aligned_as_the_general_pa
         "cached and new": positions,
         "a column more": F.pad(new, (0, 1)),
         "three dimensions": new[:, :, None],
+        "no dimension": new[0, 0],
     }[shape]
     chunk = {"input_ids": ids[:, past:], "attention_mask": mask, "position_ids": given}
     prefill = {"input_ids": ids[:, :past], "attention_mask": mask[:, :past], "use_cache": True} if past else None
@@ -794,6 +802,19 @@ def test_given_positions_of_another_shape_or_dtype_are_aligned_as_the_general_pa
         assert not any(isinstance(result, tuple) for result in general)  # the forward and the step ran
     else:
         assert isinstance(general[0], tuple) and issubclass(general[0][0], error)
+
+
+def test_one_dimensional_positions_as_many_as_the_rows_are_aligned_as_the_general_path_aligns_them():
+    """1D positions with as many entries as the batch has rows (2 new tokens, 2 rows), on a chunk inside which a
+    padded row's real tokens begin: read as a list of ints rather than of rows, they are left to the general path,
+    whose outcome the fast path gives."""
+    model = _chunk_model("gpt_neo")
+    ids, mask = left_padded_batch([1, 5])  # row 0's one real token: the chunk's last
+    positions = reference_positions(mask)
+    prefill = {"input_ids": ids[:, :3], "attention_mask": mask[:, :3], "use_cache": True}
+    chunk = {"input_ids": ids[:, 3:], "attention_mask": mask, "position_ids": positions[1, 3:]}
+    general = assert_same_outcome(model, prefill, chunk)
+    assert not any(isinstance(result, tuple) for result in general)  # the forward and the step ran
 
 
 def test_given_positions_of_a_batch_of_no_rows_are_passed_on_as_the_general_path_passes_them():

@@ -268,9 +268,9 @@ def plain_forward(
     given = kwargs.get("position_ids")
     if given is not None:
         # the caller's positions, for a family that compares them with the mask, and whose table (if it has one) it
-        # looks them up in (read_given and the chunk's read below leave their range to that lookup); long, and (checked
-        # where they are read: a chunk's from its list, for a .shape costs as much right after a forward) 2D, one row
-        # or one per input row, a column per new token
+        # looks them up in (read_given and the chunk's read below leave their range to that lookup), and long.  Their
+        # shape (2D, one row or one per input row, a column per new token) is checked where they are read: a chunk's
+        # from their list, for a .shape costs as much as a small tolist() right after a forward
         if kind not in COMPARED_KINDS or (not derive and limits[0] is not None) or given.dtype != _LONG:
             return None, 0, None
     mask = kwargs.get("attention_mask")
@@ -343,8 +343,8 @@ def plain_forward(
         # embedding, as read_prefill and read_given leave them.
         rows = mask.tolist()  # the one read of the mask
         if given is not None:
-            # the one read of the positions, and of their shape: one row, or one per input row, of a list each (2D or
-            # more: a 1D tensor's rows are ints, a 0D tensor's list an int).  Their length, and 2D rather than 3D,
+            # the one read of the positions, and of their shape: one row or one per input row, each a list (a 1D
+            # tensor's rows are ints, and a 0D tensor's tolist() an int).  A row's length and its ints (2D, not 3D)
             # need no check: each row is compared whole with a list of as many ints as there are new tokens
             values = given.tolist()
             if type(values) is not list or not rows or len(values) not in (1, len(rows)) or type(values[0]) is not list:

@@ -699,8 +699,8 @@ if given is not None:
     @example([[1] * 7, [1] * 7], 3, "mask", True, [0] * 21, (0, 0), False, None)  # one row for two, unpadded
     @example([[1] * 7, [0, 0, 0, 0, 1, 1, 1]], 2, "one off", False, [0] * 21, (1, 2), False, None)  # a chunk whose
     # row 1 begins inside it, off at that row's first real token
-    @example([[1] * 7, [1, 1, 1, 1, 1, 0, 0]], 3, "any", False, [3, 4, 5, 6, 1, 2, 3, 4] + [0] * 13, (0, 0), False, None)
-    # a right-padded chunk, given the positions a row with 2 pads then 5 real tokens would take
+    @example([[1] * 7, [1, 1, 1, 1, 1, 0, 0]], 3, "any", False, [3, 4, 5, 6, 1, 2, 3, 4] + [0] * 13, (0, 0), False,
+             None)  # a right-padded chunk, given the positions a row with 2 pads then 5 real tokens would take
     @example([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], 3, "any", False, [3, 4, 5, 6, 1, 2, 3, 4] + [0] * 13, (1, 0), False, 2)
     # a chunk with a 2 among a row's pads, given the positions 2 pads would give
     def test_given_positions_compute_on_the_fast_path_what_the_general_path_computes(

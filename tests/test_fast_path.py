@@ -741,8 +741,12 @@ def test_positions_generate_passes_take_the_fast_path(model, monkeypatch):
         result = real(*args)
         kwargs = args[2]
         if kwargs.get("position_ids") is not None:  # (the forwards that build the caches pass none)
-            settled = result[0]
-            taken.append(None if settled is None else settled.positions is kwargs["position_ids"])
+            settled = result[0]  # passed on as they are: settled to them, or to no change at all
+            if settled is None:
+                taken.append(None)
+            else:
+                kept = settled.positions is None or settled.positions is kwargs["position_ids"]
+                taken.append(kept and not settled.right_padded and not settled.repairs)
         return result
 
     monkeypatch.setattr(_wrappers, "plain_forward", spy)

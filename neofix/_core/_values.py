@@ -76,7 +76,8 @@ _new = tuple.__new__
 #: A chunk's positions derived from the mask: said at prefill (a chunk continues the rows as they are), so silent.
 _DERIVED_IN_CHUNK = Repair(POSITIONS_DERIVED, "")
 _DERIVED_IN_CHUNK_ONLY = (_DERIVED_IN_CHUNK,)
-#: What a chunk is settled to whose positions transformers makes right (and any a family makes).
+#: What a chunk is settled to that passes as it is: positions transformers makes right (and any a family makes), or
+#: the caller's, where every check passes.
 _CHUNK_UNCHANGED = Settled(None, True, None, ())
 
 

@@ -263,7 +263,10 @@ def plain_forward(
         or kwargs.get("cache_position") is not None
     ):
         return None, 0, None
-    if len(shape) != 2 or shape[1] == 0:  # (``shape``: input_ids.shape)
+    if len(shape) != 2:  # (``shape``: input_ids.shape)
+        return None, 0, None
+    batch, new = shape  # (unpacked once: each subscript of a torch.Size is a call into torch)
+    if not new:
         return None, 0, None
     given = kwargs.get("position_ids")
     if given is not None:
@@ -276,17 +279,17 @@ def plain_forward(
     mask = kwargs.get("attention_mask")
     if cache is None:
         limit = limits[0]  # max_positions
-        if (limit is not None and shape[1] > limit) or not shapes_fit(
+        if (limit is not None and new > limit) or not shapes_fit(
             0, input_ids, shape, mask, None if mask is None else mask.shape
         ):
             return None, 0, None
         if given is not None:  # the caller's positions: unchanged where every check passes, else the general path
             fits = given.shape
-            if len(fits) != 2 or fits[1] != shape[1] or fits[0] not in (1, shape[0]):
+            if len(fits) != 2 or fits[1] != new or fits[0] not in (1, batch):
                 return None, 0, None
             return read_given(input_ids, given, mask), 0, None
         return read_prefill(input_ids, mask, limits, settings.uncached_positions, derive=derive), 0, None
-    if mask is None or shape[1] < 2 or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):
+    if mask is None or new < 2 or (type(cache) is tuple and adapter.LEGACY_CACHE_REJECTED):
         return None, 0, None  # no chunk (a decode step's cache is read by aligned_decode_step); such tuples: wrapped
     # The usual growing cache (transformers 4.56 and later, ``usual``: its layers' type), read from its keys' shapes,
     # one ``.shape`` per layer in place of each layer's ``get_seq_length`` (a call into transformers costs several
@@ -296,7 +299,7 @@ def plain_forward(
     # wrong.  (A layer's keys are None until its first update, and after reset() from 4.57: not a tensor.)
     past = 0
     cache_layers = getattr(cache, "layers", None) if usual is not None else None
-    if type(cache_layers) is list and len(cache_layers) >= layers and shape[0] and layers:
+    if type(cache_layers) is list and len(cache_layers) >= layers and batch and layers:
         keys_shape = None
         for layer in cache_layers[:layers]:
             if type(layer) is not usual or type(keys := layer.keys) is not _Tensor:
@@ -307,32 +310,28 @@ def plain_forward(
                 break
         else:
             max_positions, _, _, heads, head_dim = limits
-            if (
-                len(keys_shape) == 4
-                and keys_shape[0] == shape[0]
-                and keys_shape[1] == heads
-                and keys_shape[3] == head_dim
-                and (max_positions is None or keys_shape[2] + shape[1] <= max_positions)
-            ):
-                past = keys_shape[2]
+            if len(keys_shape) == 4:
+                keys_batch, keys_heads, held, keys_dim = keys_shape
+                if (
+                    keys_batch == batch
+                    and keys_heads == heads
+                    and keys_dim == head_dim
+                    and (max_positions is None or held + new <= max_positions)
+                ):
+                    past = held
     view = None
     if not past:
         view = adapter.read_cache(cache, layers)
         past = view[0]  # length
     mask_shape = mask.shape
     # what shapes_fit checks of a chunk (a mask over the cached and new tokens), and the mask's rows: inlined
-    if (
-        not past
-        or len(mask_shape) != 2
-        or mask_shape[0] != shape[0]
-        or mask_shape[1] != past + shape[1]
-        or input_ids.dtype != _LONG
-        or mask.dtype != _LONG
-    ):
+    if not past or len(mask_shape) != 2:
+        return None, 0, view
+    mask_rows, width = mask_shape
+    if mask_rows != batch or width != past + new or input_ids.dtype != _LONG or mask.dtype != _LONG:
         return None, 0, view
     if view is not None:
-        check_cache(view, shape[0], shape[1], limits)  # what align checks (and raises) before it reads a value
-    width = mask_shape[1]
+        check_cache(view, batch, new, limits)  # what align checks (and raises) before it reads a value
     if _values.READ_SCALARS_ON_CPU and input_ids.is_cpu and mask.is_cpu and (given is None or given.is_cpu):
         # A chunk on the CPU, read here (after the decode step the most frequent forward: each call, torch
         # operation or line of Python costs several times as much right after a forward as it does warm).  What

@@ -120,13 +120,19 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                     try:
                         return original(self, *args, **kwargs)
                     except IndexError as exc:
-                        explain_index_error(exc, limits, first, None, kwargs.get("position_ids"))
+                        explain_index_error(exc, _fresh_facts(self, adapter, facts)[2], first, None,
+                                            kwargs.get("position_ids"))
                         if explain_overflow is not None:
                             explain_overflow(exc, self.config, kwargs.get("attention_mask"),
                                              kwargs.get("position_ids"), view.length)
                         raise
             if view is None:  # (a decode step whose cache was read is no prefill and no chunk)
-                prefilled, past, view = plain_forward(first, shape, kwargs, cache, layers, limits, adapter, usual)
+                try:
+                    prefilled, past, view = plain_forward(first, shape, kwargs, cache, layers, limits, adapter, usual)
+                except NeofixError:
+                    if _fresh_facts(self, adapter, facts) is facts:
+                        raise  # refused on the model as it is
+                    # refused on what the model was before an edit: the general path reads it afresh (below)
             if prefilled is not None:
                 positions, _, _, padded_rows, repairs = prefilled
                 if not padded_rows and (positions is None or takes_positions):
@@ -151,7 +157,7 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
                     try:
                         return original(self, *args, **kwargs)
                     except IndexError as exc:
-                        explain_index_error(exc, limits, first, None, positions)
+                        explain_index_error(exc, _fresh_facts(self, adapter, facts)[2], first, None, positions)
                         if explain_overflow is not None:
                             explain_overflow(exc, self.config, kwargs.get("attention_mask"), positions, past)
                         raise
@@ -160,6 +166,13 @@ def make_model_forward(original: Any, adapter: Any) -> Callable[..., Any]:
         input_ids = kwargs.get("input_ids")
         if input_ids is not None and input_ids.dim() != 2 and flat_input_ids_accepted:
             return original(self, **kwargs)  # 1D input_ids: transformers up to 4.44 read them as one row
+        # The general path reads the model's facts afresh (microseconds, against align's torch operations): the
+        # remembered ones, which the fast paths read, go stale when a model is edited after a forward
+        # (resize_token_embeddings, blocks removed), and a call must not be refused on what the model was
+        fresh = _fresh_facts(self, adapter, facts)
+        if fresh is not facts:
+            layers, limits = fresh[1], fresh[2]
+            view = prefilled = None  # both read on the stale facts: read again
         if view is None:
             key, cache = _caches.of_call(kwargs)
             if type(cache) is tuple and cache and legacy_cache_rejected:  # (neither read above reads such a tuple)
@@ -542,6 +555,19 @@ def _check_right_padding(kwargs: dict) -> None:
 # id(model) -> (weak reference to it, its layer count, its Limits), read once per model: both are Python-level
 # reads (a ModuleList length, transformers' config __getattribute__) worth skipping per step
 _FACTS: dict[int, tuple[Any, int, Limits]] = {}
+
+
+def _fresh_facts(model: Any, adapter: Any, facts: tuple[Any, int, Limits]) -> tuple[Any, int, Limits]:
+    """``model``'s facts read again: ``facts`` (those remembered) where they still hold, else the new ones,
+    remembered in their place.  Whatever refuses a call or names a bad value reads them so: a model may be edited
+    after its first forward (``resize_token_embeddings`` grows or shrinks ``config.vocab_size``, blocks are removed),
+    and a call must be judged on the model as it is."""
+    layers, limits = adapter.layers(model), adapter.limits(model.config)
+    if layers == facts[1] and limits == facts[2]:
+        return facts
+    facts = (facts[0], layers, limits)  # (the same weak reference: it already removes the entry with the model)
+    _FACTS[id(model)] = facts
+    return facts
 
 
 def _read_model_facts(model: Any, adapter: Any) -> tuple[Any, int, Limits]:

@@ -858,3 +858,29 @@ def test_errors_carry_their_public_name(name):
     assert traceback.format_exception_only(error) == [f"neofix.{name}: attention_mask has 9 columns\n"]
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is cls and again.args == error.args
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode step"])
+@pytest.mark.parametrize("scalars", [True, False], ids=["cpu reads", "accelerator reads"])
+def test_an_id_past_a_shrunk_vocabulary_is_named_on_the_new_size(scalars, step, monkeypatch):
+    """The vocabulary neofix judges ids by is the model's as it is: after ``resize_token_embeddings`` shrank it
+    (after a first forward, where neofix remembers the model's limits), an id the old vocabulary held is named
+    against the new size, not passed over (the embedding's bare IndexError) as within the old one."""
+    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", scalars)
+    model = tiny_gpt_neo(seed=4, dtype=torch.float32)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)  # the limits are remembered here
+        vocab = model.config.vocab_size
+        model.resize_token_embeddings(vocab - 6)
+        if step == "prefill":
+            call = dict(input_ids=torch.tensor([[1, 2, vocab - 3, 4]]))  # within the old vocabulary only
+            where = r"input_ids\[0, 2\]"
+        else:
+            call = {"input_ids": torch.tensor([[vocab - 3]]), "attention_mask": torch.ones(1, 5, dtype=torch.long),
+                    cache_keyword(): output_cache(out)}
+            where = r"input_ids\[0, 0\]"
+        with pytest.raises(neofix.TokenIdError) as raised:
+            model(**call)
+    assert re.search(rf"{where} is {vocab - 3}, outside the vocabulary: config.vocab_size is {vocab - 6}",
+                     str(raised.value)), str(raised.value)

@@ -7,6 +7,7 @@ sequence; sampling draws the same random numbers per step with or without a cach
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 
@@ -15,7 +16,8 @@ import torch
 
 import neofix
 from neofix import _compat
-from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
+from neofix._core import _values
+from neofix.testing import reference_greedy, reference_logits, reference_positions, tiny_gpt_neo
 
 from ._vanilla import assert_vanilla
 from ._versions import cache_keyword, has, output_cache, requires
@@ -255,3 +257,61 @@ def test_generate_given_position_ids_decodes_as_the_reference(model, batch, posi
             assert len(said) == 2, said
             assert said[0].startswith("neofix: position_ids count the left padding of rows 1, 2")
             assert said[1].startswith("neofix: position_ids[1, 0] is 6 at the step after 6 cached tokens")
+
+
+def _resize(model, size):
+    """``resize_token_embeddings``, without the random mean resizing transformers 4.46 and later warn about."""
+    if "mean_resizing" in inspect.signature(model.resize_token_embeddings).parameters:
+        model.resize_token_embeddings(size, mean_resizing=False)
+    else:
+        model.resize_token_embeddings(size)
+
+
+def _remove_blocks(model, keep):
+    model.transformer.h = model.transformer.h[:keep]
+    model.config.num_layers = keep
+    model.config.attention_layers = model.config.attention_layers[:keep]
+
+
+@pytest.mark.parametrize("scalars", [True, False], ids=["cpu reads", "accelerator reads"])
+@pytest.mark.parametrize("edit", ["grown vocabulary", "blocks removed"])
+def test_a_model_edited_after_a_forward_generates_as_vanilla(batch, edit, scalars, monkeypatch):
+    """neofix remembers a model's layer count and limits at its first forward.  An edit after it (a tokenizer's new
+    token and ``resize_token_embeddings``, blocks removed) must neither refuse nor change what vanilla generates:
+    judged on the remembered facts, the new token was refused as outside the vocabulary, and the smaller cache as
+    uneven across the layers the model no longer has."""
+    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", scalars)
+    model = tiny_gpt_neo(seed=4, dtype=torch.float32)
+    ids, mask = batch
+    generate(model, ids, mask, do_sample=False)  # the facts are remembered here
+    if edit == "grown vocabulary":
+        vocab = model.config.vocab_size
+        _resize(model, vocab + 4)
+        ids = ids.clone()
+        ids[:, -1] = vocab + 1  # (a real token in every left-padded row) held by the new vocabulary only
+    else:
+        _remove_blocks(model, 2)
+    patched, plain = both(lambda: generate(model, ids, mask, do_sample=False))
+    assert torch.equal(patched, plain)
+    # (rows end at the end-of-sequence token, as generate ends them: the resized model's greedy choice on 4.26)
+    eos = model.config.eos_token_id
+    assert torch.equal(patched, reference_greedy(model, ids, mask, NEW, eos_token_id=eos, pad_token_id=eos))
+
+
+@pytest.mark.parametrize("scalars", [True, False], ids=["cpu reads", "accelerator reads"])
+def test_a_forward_after_the_vocabulary_grew_is_vanilla(batch, scalars, monkeypatch):
+    """A forward without a cache (training, scoring) given a token that ``resize_token_embeddings`` added after the
+    model's first forward: vanilla's logits, not a refusal on the vocabulary neofix saw at that first forward (the
+    path accelerators take reads the ids there)."""
+    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", scalars)
+    model = tiny_gpt_neo(seed=4, dtype=torch.float32)
+    ids = batch[0].clone()
+    mask = torch.ones_like(ids)  # no padding: vanilla's positions are the mask's
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)  # the limits are remembered here
+        _resize(model, vocab + 4)
+        ids[:, -1] = vocab + 1
+        patched, plain = both(lambda: model(input_ids=ids, attention_mask=mask).logits)
+    assert torch.equal(patched, plain)
+    assert torch.equal(patched, reference_logits(model, ids, mask))

@@ -39,20 +39,6 @@ def read(cache: Any, layers: int, key_layout: tuple[int, int, int, int] = BHSD) 
     return _read_key_cache(cache, layers, key_layout)
 
 
-def usual_layer(read_cache: Any) -> Any:
-    """The type of the usual growing cache's layers (``DynamicLayer``), for a family whose adapter reads caches with
-    :func:`read` (keys ``(batch, heads, tokens, head_dim)``), on transformers 4.56 and later; ``None`` on earlier
-    releases, and for other families.  A chunk after such a cache reads its length from the keys' shapes
-    (:func:`neofix._wrappers.plain_forward`)."""
-    if read_cache is not read:
-        return None
-    try:
-        from transformers.cache_utils import DynamicLayer
-    except ImportError:  # before 4.56: caches hold parallel key lists (read by _read_key_cache)
-        return None
-    return DynamicLayer
-
-
 def _read_legacy(cache: Any, layers: int, layout: tuple[int, int, int, int]) -> CacheView:
     if not cache or cache[0] is None or not cache[0] or cache[0][0] is None:
         return CacheView(0, None, (0,) * layers if cache else None, None, None, None, "legacy")

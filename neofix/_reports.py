@@ -75,9 +75,9 @@ def warn_repairs(repairs: Any) -> None:
 pending: list[tuple[Any, Any, int | None, bool]] = []
 _pending_lock = threading.Lock()
 
-#: Tests set this to treat CPU tensors as if they lived on an accelerator (the non-blocking path, with events that
-#: land at the next poll), so that CI without an accelerator can prove the path never reads the device.
-SIMULATE_ACCELERATOR = False
+def in_host_memory(tensor: Any) -> bool:
+    """Whether reading ``tensor`` waits for nothing (CPU memory): its report is read at once."""
+    return tensor.device.type == "cpu"  # type: ignore[no-any-return]
 
 
 def deliver(report: Any) -> None:
@@ -89,7 +89,7 @@ def deliver(report: Any) -> None:
     import torch
 
     wrong = report.wrong
-    if wrong.device.type == "cpu" and not SIMULATE_ACCELERATOR:
+    if in_host_memory(wrong):
         if wrong.any():  # CPU memory: reading it waits for nothing
             _warn_positions(wrong, report.given, report.derived, report.past, report.from_mask)
         return
@@ -135,23 +135,7 @@ def _warn_positions(wrong: Any, given: Any, derived: Any, past: int | None, from
     warn_once(POSITION_VALUES, repaired_message(describe_wrong(wrong, given, derived, past, from_mask), from_mask))
 
 
-class _LandsAtNextPoll:
-    """The event of a simulated accelerator (tests): its copy has landed from the first poll after the step on."""
-
-    def __init__(self) -> None:
-        self.polled = False
-
-    def record(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        landed, self.polled = self.polled, True
-        return landed
-
-
 def _event(device: Any) -> Any:
-    if SIMULATE_ACCELERATOR and device.type == "cpu":
-        return _LandsAtNextPoll()
     import torch
 
     if device.type == "cuda":

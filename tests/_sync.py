@@ -107,13 +107,52 @@ class DecodeReads(HostReads):
         super().__exit__(*exc)
 
 
+class _LandsAtNextPoll:
+    """The event of a simulated accelerator: its copy has landed from the first poll after the step on."""
+
+    def __init__(self) -> None:
+        self.polled = False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        landed, self.polled = self.polled, True
+        return landed
+
+
 @contextlib.contextmanager
 def simulated_accelerator() -> Iterator[None]:
-    """Make neofix treat CPU tensors as accelerator tensors for its non-blocking position reports."""
-    previous = _reports.SIMULATE_ACCELERATOR
-    _reports.SIMULATE_ACCELERATOR = True
+    """Make neofix treat CPU tensors as accelerator tensors for its non-blocking position reports (a copy that
+    lands at the next poll)."""
+    saved = _reports.in_host_memory, _reports._event
+    _reports.in_host_memory = lambda tensor: False
+    _reports._event = lambda device: _LandsAtNextPoll()
     try:
         yield
     finally:
-        _reports.SIMULATE_ACCELERATOR = previous
+        _reports.in_host_memory, _reports._event = saved
         _reports.clear_pending()
+
+
+@contextlib.contextmanager
+def device_reads(on_device: bool = True) -> Iterator[None]:
+    """Make every step read its values as on an accelerator (the device reader: torch reductions and one read),
+    whatever the tensors' device; ``on_device=False``: with the host reader (the CPU's list scans)."""
+    from neofix._core import _reads
+
+    reader = _reads.read_on_device if on_device else _reads.read_on_host
+    saved = _reads.reader_for
+    _reads.reader_for = lambda question: reader
+    try:
+        yield
+    finally:
+        _reads.reader_for = saved
+
+
+def read_values_on(monkeypatch: Any, host: bool) -> None:
+    """For the rest of a test: read values with the host reader (``host``) or the device reader."""
+    from neofix._core import _reads
+
+    reader = _reads.read_on_host if host else _reads.read_on_device
+    monkeypatch.setattr(_reads, "reader_for", lambda question: reader)

@@ -106,7 +106,7 @@ def test_limits_are_read_from_the_config_attributes_named():
     count and the width per head, an int."""
     from types import SimpleNamespace
 
-    from neofix._families._common import make_limits
+    from neofix._families._contract import make_limits
 
     config = SimpleNamespace(n_positions=2048, vocab_size=50257, n_embd=768, n_head=12, hidden_size=5, num_heads=5)
     limits = make_limits(table="n_positions", width="n_embd", heads="n_head")(config)

@@ -37,7 +37,7 @@ from neofix._core import _values
 from neofix._families import gpt_neo
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 
-from ._sync import HostReads
+from ._sync import HostReads, device_reads, read_values_on
 from ._vanilla import MEASURED, VANILLA, assert_vanilla, expected, nearest_measured, table_problems
 from ._versions import cache_keyword, has, legacy, output_cache, requires
 from .loops import left_padded_batch
@@ -53,6 +53,13 @@ def model32():
 
 def ones(*shape: int) -> torch.Tensor:
     return torch.ones(*shape, dtype=torch.long)
+
+
+def padded(rows: int, columns: int) -> torch.Tensor:
+    """A mask whose first column is a pad: read from its left or its right end, it says different things."""
+    mask = ones(rows, columns)
+    mask[:, 0] = 0
+    return mask
 
 
 def as_object(cache: Any, model: Any) -> Any:
@@ -271,17 +278,19 @@ CASES = {
         neofix.TokenIdError,
         [r"input_ids\[1, 0\] is 96", *TOKEN_ID, TOKENIZER],
         check_values=True,
+        translated_on_cpu=True,  # the CPU reads no ids: the lookup raises first, and neofix names the id
     ),
     "token_type_ids >= vocab": case(
         prefill(input_ids=ones(1, 3), token_type_ids=torch.tensor([[0, 0, 96]])),
         neofix.TokenIdError,
         [r"token_type_ids\[0, 2\] is 96", *TOKEN_ID, r"embeds token types with the token embedding"],
+        translated_on_cpu=True,  # the CPU reads no ids: the lookup raises first, and neofix names the id
     ),
     "id >= vocab, generate": case(
         lambda m: (lambda: m.generate(torch.tensor([[5, 96, 7]]), max_new_tokens=3, pad_token_id=0), None),
         neofix.TokenIdError,
         [r"input_ids\[0, 1\] is 96", *TOKEN_ID, TOKENIZER],
-        translated_on_cpu=generate_prefills_plainly,
+        translated_on_cpu=True,  # the CPU reads no ids: the lookup raises first, and neofix names the id
     ),
     # position ids outside the position table
     "position >= max_position_embeddings, prefill": case(
@@ -339,7 +348,7 @@ CASES = {
     ),
     # masks longer than cache + input (ambiguous), wrong 3D / 4D masks
     "mask longer than cache + input, decode step": case(
-        step(input_ids=ones(2, 1), attention_mask=ones(2, 9)),
+        step(input_ids=ones(2, 1), attention_mask=padded(2, 9)),
         neofix.MaskLengthError,
         [
             r"attention_mask has 9 columns",
@@ -348,12 +357,12 @@ CASES = {
         ],
     ),
     "mask longer than input, prefill": case(
-        prefill(input_ids=ones(2, 5), attention_mask=ones(2, 7)),
+        prefill(input_ids=ones(2, 5), attention_mask=padded(2, 7)),
         neofix.MaskLengthError,
         [r"attention_mask has 7 columns", r"holds 0 tokens and this step feeds 5: expected 5", r"pass the mask of"],
     ),
     "prompt mask kept during chunked prefill": case(
-        step(lambda m: cached(m, length=4), input_ids=ones(2, 2), attention_mask=ones(2, 9)),
+        step(lambda m: cached(m, length=4), input_ids=ones(2, 2), attention_mask=padded(2, 9)),
         neofix.MaskLengthError,
         [r"attention_mask has 9 columns", r"holds 4 tokens and this step feeds 2: expected 6", r"pass the mask of"],
     ),
@@ -362,19 +371,19 @@ CASES = {
         neofix.MaskLengthError,
         [
             r"4D attention_mask has shape \(2, 1, 1, 7\)",
-            r"this step needs 1 row \(one per new token\) and 6: one column per cached plus new token",
+            r"this step needs 1 row of queries \(one per new token\) and 6 columns, one per cached and new token",
             r"pass the 2D \(batch, cached \+ new tokens\) padding mask",
         ],
     ),
     "3D mask with the wrong key length": case(
         step(input_ids=ones(2, 1), attention_mask=ones(2, 1, 4)),
         neofix.MaskLengthError,
-        [r"3D attention_mask has shape \(2, 1, 4\)", r"needs 1 row \(one per new token\) and 6: one column", r"pass the 2D"],
+        [r"3D attention_mask has shape \(2, 1, 4\)", r"needs 1 row of queries \(one per new token\) and 6 columns, one", r"pass the 2D"],
     ),
     "4D mask with the wrong query length": case(
         prefill(input_ids=ones(2, 5), attention_mask=float_mask(2, 1, 4, 5)),
         neofix.MaskLengthError,
-        [r"4D attention_mask has shape \(2, 1, 4, 5\)", r"this step needs 5 rows \(one per new token\) and 5"],
+        [r"4D attention_mask has shape \(2, 1, 4, 5\)", r"this step needs 5 rows of queries \(one per new token\) and 5 columns"],
     ),
     # masks that do not say which tokens are real
     "mask values other than 0 and 1": case(
@@ -390,7 +399,7 @@ CASES = {
         [r"attention_mask\[1, 0\] is -inf", r"additive mask", r"\(additive_mask == 0\)"],
     ),
     "the chunk's own mask after a cache": case(
-        step(lambda m: cached(m, length=4), input_ids=ones(2, 2), attention_mask=ones(2, 2)),
+        step(lambda m: cached(m, length=4), input_ids=ones(2, 2), attention_mask=padded(2, 2)),
         neofix.MaskLengthError,
         [
             r"attention_mask has 2 columns, but the cache holds 4 tokens and this step feeds 2: expected 6",
@@ -399,7 +408,7 @@ CASES = {
         ],
     ),
     "mask covering some of the new tokens": case(
-        step(lambda m: cached(m, length=4), input_ids=ones(2, 3), attention_mask=ones(2, 5)),
+        step(lambda m: cached(m, length=4), input_ids=ones(2, 3), attention_mask=padded(2, 5)),
         neofix.MaskLengthError,
         [r"expected 7", r"covers the 4 cached tokens and only some of the 3 new tokens", r"exactly the cached plus"],
     ),
@@ -567,13 +576,10 @@ def test_invalid_step_raises_a_clear_error(model, model32, name):
         assert isinstance(raised.value.__cause__, IndexError)
         assert "index out of range" in str(raised.value.__cause__)
     if on_cpu:
-        _values.READ_SCALARS_ON_CPU = False  # the path accelerators take: the ids are read before any lookup
-        try:
-            with Lookups(model) as lookups, pytest.raises(spec.error) as again, warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                call()
-        finally:
-            _values.READ_SCALARS_ON_CPU = True
+        # the path accelerators take: the ids are read before any lookup
+        with device_reads(), Lookups(model) as lookups, pytest.raises(spec.error) as again, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            call()
         assert str(again.value) == message and lookups.count == 0
     assert_same_model(before_model, model)
     assert_same_cache(before_cache, cache)
@@ -653,7 +659,7 @@ def test_uneven_cache_is_refused_before_any_layer_runs(model, fmt):
     assert_same_cache(before, cache)
 
 
-@pytest.mark.skipif(not gpt_neo.LEGACY_CACHE_REJECTED, reason="only transformers 4.54 and later reject tuple caches")
+@pytest.mark.skipif(not gpt_neo.ADAPTER.legacy_cache_rejected, reason="only transformers 4.54 and later reject tuple caches")
 def test_strict_legacy_cache_is_an_error(model):
     neofix.configure(mode="strict")
     cache = legacy(cached(model))
@@ -866,7 +872,7 @@ def test_an_id_past_a_shrunk_vocabulary_is_named_on_the_new_size(scalars, step, 
     """The vocabulary neofix judges ids by is the model's as it is: after ``resize_token_embeddings`` shrank it
     (after a first forward, where neofix remembers the model's limits), an id the old vocabulary held is named
     against the new size, not passed over (the embedding's bare IndexError) as within the old one."""
-    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", scalars)
+    read_values_on(monkeypatch, scalars)
     model = tiny_gpt_neo(seed=4, dtype=torch.float32)
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():

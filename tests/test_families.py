@@ -16,6 +16,7 @@ the position table is an error (it is not where the model extrapolates: GPT-NeoX
 from __future__ import annotations
 
 import importlib
+import sys
 import os
 import warnings
 
@@ -133,9 +134,9 @@ def test_stale_mask_is_extended(lm):
 def test_stale_positions(lm, adapter):
     ids, mask = left_padded_batch([6, 3])
     tokens, messages = run(lambda: decode(lm, ids, mask, STEPS, positions="stale"))
-    if adapter.POSITIONS == "none" or not _takes_positions(lm):  # takes none (the loop passes none)
+    if adapter.positions.value == "none" or not _takes_positions(lm):  # takes none (the loop passes none)
         assert torch.equal(tokens, reference(lm, ids, mask))
-    elif adapter.POSITIONS == "rotary":  # which positions the cache was built with cannot be told
+    elif adapter.positions.value == "rotary":  # which positions the cache was built with cannot be told
         assert isinstance(tokens, neofix.PositionError), tokens
         assert "with rotary positions the new tokens must continue the positions the cache was built with" in str(
             tokens
@@ -168,8 +169,8 @@ def test_given_positions_that_count_the_padding_are_repaired(lm, adapter):
     """Positions that count the left padding (arange over the padded width, the classic batched-generation bug)
     given to a family whose positions index a table (learned, or OPT's from the mask): compared with the mask's at
     every step, repaired, and said; the tokens are the reference's."""
-    if adapter.POSITIONS not in ("absolute", "mask") or not _takes_positions(lm):
-        pytest.skip(f"{type(lm).__name__} on this release: positions are {adapter.POSITIONS}, or not taken")
+    if not adapter.positions.compared or not _takes_positions(lm):
+        pytest.skip(f"{type(lm).__name__} on this release: positions are {adapter.positions.value}, or not taken")
     ids, mask = left_padded_batch([6, 3])
     tokens, messages = run(lambda: decode(lm, ids, mask, STEPS, positions="arange"))
     assert isinstance(tokens, torch.Tensor), tokens
@@ -182,7 +183,7 @@ def test_past_the_position_table(lm, lm32, adapter):
     limit = adapter.limits(lm.config).max_positions
     ids = torch.randint(1, 96, (1, size - 2), generator=torch.Generator().manual_seed(1))
     tokens, _ = run(lambda: decode(lm, ids, torch.ones_like(ids), 4))
-    if hasattr(adapter, "explain_overflow"):  # the limit counts real tokens (OPT): named when the lookup fails
+    if adapter.explain_overflow is not None:  # the limit counts real tokens (OPT): named when the lookup fails
         assert isinstance(tokens, neofix.SequenceTooLongError), tokens
         assert f"at most {size} real tokens fit in a row" in str(tokens)
     elif limit is None:  # the model extrapolates: no error, and nothing changed (vanilla compared in float32:
@@ -202,7 +203,7 @@ def test_past_the_position_table(lm, lm32, adapter):
 def test_the_longest_row_past_the_table_is_named(lm, adapter):
     """OPT counts real tokens: of a left-padded batch, the row holding more real tokens than the table is named, with
     its count."""
-    if not hasattr(adapter, "explain_overflow"):
+    if adapter.explain_overflow is None:
         pytest.skip("the family's limit counts columns")
     size = table_size(lm)
     ids, mask = left_padded_batch([size - 4, size + 1])
@@ -219,7 +220,7 @@ def test_the_longest_row_past_the_table_is_named(lm, adapter):
 def test_given_positions_past_the_table_are_named(lm, adapter):
     """OPT: position_ids reaching past the table are named, with or without a mask (one of ``size`` real tokens,
     which fit)."""
-    if not hasattr(adapter, "explain_overflow"):
+    if adapter.explain_overflow is None:
         pytest.skip("the family's limit counts columns")
     if not _takes_positions(lm):
         pytest.skip(f"OPT takes no position_ids on transformers {transformers.__version__}")
@@ -244,7 +245,7 @@ def test_left_padding_past_the_table_in_columns_runs_as_vanilla(lm, lm32, adapte
     """OPT gives left padding no positions: a batch wider than the table, whose rows hold few enough real tokens,
     completes in vanilla transformers, so neofix must not refuse it (nor change it).  Compared in float32 (vanilla
     OPT 4.36 - 4.48 cannot run float64 models) and against the float64 reference."""
-    if not hasattr(adapter, "explain_overflow"):
+    if adapter.explain_overflow is None:
         pytest.skip("the family's limit counts columns")
     size = table_size(lm)
     ids, mask = left_padded_batch([size - 4, 8])
@@ -315,7 +316,7 @@ def test_a_bloom_cache_of_other_heads_is_refused_naming_them():
     ids = torch.ones(2, 4, dtype=torch.long)
     with torch.no_grad():
         cache = legacy(output_cache(other(input_ids=ids, use_cache=True)))
-    if FAMILIES["bloom"].load_adapter().FUSED_CACHE:
+    if sys.modules[FAMILIES["bloom"].adapter].FUSED_CACHE:
         caches, expected = (tuple(cache), list(cache)), (
             "the cache holds keys of shape (4, 16, 4) (batch * heads, head_dim, tokens), but this model has 4 heads "
             "of width 8: its keys are 16 wide. The cache was built by another model: pass the cache this model "
@@ -353,7 +354,7 @@ def test_a_decode_step_on_another_models_cache_is_refused(family, adapter, lm32)
         "the cache holds keys of 8 heads of width 4, but this model has 4 heads of width 8: the cache was built by "
         "another model. Pass the cache this model returned, or none (the prompt is then encoded again)"
     )
-    if getattr(adapter, "FUSED_CACHE", False):  # BLOOM up to 4.43: keys (batch * heads, head_dim, tokens)
+    if getattr(sys.modules[adapter.family.adapter], "FUSED_CACHE", False):  # BLOOM up to 4.43: keys (batch * heads, head_dim, tokens)
         expected = (
             "the cache holds keys of shape (16, 4, 4) (batch * heads, head_dim, tokens), but this model has 4 heads "
             "of width 8: its keys are 4 wide. The cache was built by another model: pass the cache this model "
@@ -654,8 +655,9 @@ def test_gpt_neox_limits_its_table_only_where_the_causal_buffer_is_fixed():
     if (4, 31) <= release < (4, 36):
         pytest.skip("not measured on 4.31 - 4.35 (the attention class tells)")
     fixed = release < (4, 31)
-    assert adapter._causal_buffer_is_fixed() is fixed
-    assert adapter.TABLE_IS_A_LIMIT is fixed
+    module = sys.modules[FAMILIES["gpt_neox"].adapter]
+    assert module._causal_buffer_is_fixed() is fixed
+    assert module.TABLE_IS_A_LIMIT is fixed
     assert adapter.limits(tiny_config("gpt_neox")).max_positions == (64 if fixed else None)
 
 
@@ -742,7 +744,7 @@ def test_a_chunk_without_a_mask_given_stale_positions_is_told_the_positions_it_g
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-3)
     assert words == [
         "neofix: position_ids has 5 columns, but this step feeds 3 new tokens (the cache holds 4); gave them the "
-        "positions after the cache instead, 4 to 6 (without a 2D mask every token is real) (stale prompt positions?). "
+        "positions after the cache instead, 4 to 6 (with no attention mask every token is real) (stale prompt positions?). "
         "To fix your loop: pass only the new tokens' positions, or none at all and neofix derives them from the mask. "
         "Reported once."
     ]

@@ -19,6 +19,7 @@ from neofix import _compat
 from neofix._core import _values
 from neofix.testing import reference_greedy, reference_logits, reference_positions, tiny_gpt_neo
 
+from ._sync import read_values_on
 from ._vanilla import assert_vanilla
 from ._versions import cache_keyword, has, output_cache, requires
 from .loops import left_padded_batch, patched_and_vanilla
@@ -280,7 +281,7 @@ def test_a_model_edited_after_a_forward_generates_as_vanilla(batch, edit, scalar
     token and ``resize_token_embeddings``, blocks removed) must neither refuse nor change what vanilla generates:
     judged on the remembered facts, the new token was refused as outside the vocabulary, and the smaller cache as
     uneven across the layers the model no longer has."""
-    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", scalars)
+    read_values_on(monkeypatch, scalars)
     model = tiny_gpt_neo(seed=4, dtype=torch.float32)
     ids, mask = batch
     generate(model, ids, mask, do_sample=False)  # the facts are remembered here
@@ -303,7 +304,7 @@ def test_a_forward_after_the_vocabulary_grew_is_vanilla(batch, scalars, monkeypa
     """A forward without a cache (training, scoring) given a token that ``resize_token_embeddings`` added after the
     model's first forward: vanilla's logits, not a refusal on the vocabulary neofix saw at that first forward (the
     path accelerators take reads the ids there)."""
-    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", scalars)
+    read_values_on(monkeypatch, scalars)
     model = tiny_gpt_neo(seed=4, dtype=torch.float32)
     ids = batch[0].clone()
     mask = torch.ones_like(ids)  # no padding: vanilla's positions are the mask's

@@ -258,9 +258,9 @@ def test_a_static_caches_4d_mask_needs_a_column_per_slot(width):
     assert isinstance(plain[0], RuntimeError) and "must match the size of tensor b" in str(plain[0])
     assert isinstance(patched[0], neofix.MaskLengthError)
     assert str(patched[0]) == (
-        f"the 4D attention_mask has shape (2, 1, 5, {width}), but this step needs 5 rows (one per new token) and 16 "
-        f"(the static cache's slots) columns; or pass the 2D (batch, cached + new tokens) padding mask and let the "
-        f"model build the rest"
+        f"the 4D attention_mask has shape (2, 1, 5, {width}), but this step needs 5 rows of queries (one per new "
+        f"token) and 16 columns, one per slot of the static cache: pass a mask of that shape, or pass the 2D (batch, "
+        f"cached + new tokens) padding mask and let the model build the rest"
     )
 
 
@@ -292,16 +292,18 @@ def test_a_static_cache_of_other_rows_or_heads_is_refused_by_name():
 @requires("static caches")
 def test_an_empty_static_cache_holds_no_tokens_so_a_wider_mask_is_refused():
     """A static cache nothing was written to holds 0 tokens (known without reading the device): a 5-token prefill's
-    2D mask of 7 columns is then as ambiguous as after any cache, and refused (vanilla runs it on some reading of
-    the extra columns)."""
+    2D mask of 7 columns with a pad in its first is then as ambiguous as after any cache (its first 5 columns and its
+    last 5 say different things), and refused (vanilla runs it on some reading of the extra columns)."""
     model = tiny_gpt_neo(seed=0, dtype=torch.float32, attention_types=[[["global"], 4]])
     ids = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[:, 0] = 0
     with torch.no_grad(), pytest.raises(neofix.MaskLengthError) as raised:
-        model(input_ids=ids, attention_mask=torch.ones(2, 7, dtype=torch.long),
-              **{cache_keyword(model): static_cache(model)})
+        model(input_ids=ids, attention_mask=mask, **{cache_keyword(model): static_cache(model)})
     assert str(raised.value) == (
         "attention_mask has 7 columns, but the cache holds 0 tokens and this step feeds 5: expected 5. A longer mask is "
-        "ambiguous (which columns belong to the cache?): pass the mask of exactly the cached plus the new tokens"
+        "ambiguous (which columns belong to the cache? its first 5 columns and its last 5 give different masks): pass "
+        "the mask of exactly the cached plus the new tokens"
     )
 
 

@@ -19,7 +19,7 @@ import neofix
 from neofix import _compat
 from neofix.testing import reference_logits, tiny_gpt_neo
 
-from ._sync import HostReads
+from ._sync import HostReads, read_values_on
 from ._versions import cache_keyword, output_cache
 from .loops import left_padded_batch
 
@@ -145,7 +145,7 @@ def test_positions_of_a_stale_length_are_derived_again_and_said(model32, with_ma
     instead = (
         "derived them from the attention mask instead"
         if with_mask
-        else "gave them the positions after the cache instead, 5 to 5 (without a 2D mask every token is real)"
+        else "gave them the positions after the cache instead, 5 to 5 (with no attention mask every token is real)"
     )
     assert words == [
         f"neofix: position_ids has 5 columns, but this step feeds 1 new token (the cache holds 5); {instead} (stale "
@@ -193,7 +193,7 @@ def test_the_smallest_and_largest_valid_values_are_accepted_where_values_are_rea
     valid)."""
     from neofix._core import _values
 
-    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path == "cpu")
+    read_values_on(monkeypatch, path == "cpu")
     neofix.configure(check_values=True)
     vocab, table = model32.config.vocab_size, model32.config.max_position_embeddings
     ids = torch.tensor([[0, 5, vocab - 1], [vocab - 1, 0, 7]])
@@ -366,7 +366,7 @@ def test_a_chunk_without_a_mask_given_stale_positions_continues_after_the_cache(
     assert (record.position_min, record.position_max) == (4, 6)
     assert words == [
         "neofix: position_ids has 5 columns, but this step feeds 3 new tokens (the cache holds 4); gave them the "
-        "positions after the cache instead, 4 to 6 (without a 2D mask every token is real) (stale prompt positions?). "
+        "positions after the cache instead, 4 to 6 (with no attention mask every token is real) (stale prompt positions?). "
         "To fix your loop: pass only the new tokens' positions, or none at all and neofix derives them from the mask. "
         "Reported once."
     ]
@@ -410,12 +410,14 @@ def test_a_step_past_the_position_table_says_how_many_tokens_still_fit(model32, 
 @pytest.mark.parametrize("columns", [3, 5])
 def test_a_mask_of_an_ambiguous_width_is_refused_with_the_fix(model32, columns):
     """After 4 cached tokens, a 3-token step's mask of 3 columns (its own? or the first 3 cached tokens'?) or of 5
-    (the cache's and some of the new tokens'): which columns are which cannot be told, so nothing is guessed."""
+    (the cache's and some of the new tokens'), with a pad: extended on its right or on its left it gives different
+    masks, so nothing is guessed.  (All ones, both readings agree: tests/test_contract_regressions.py.)"""
     ids = ids_of(2, 7)
     cache = cached(model32, ids[:, :4], torch.ones(2, 4, dtype=torch.long))
+    mask = torch.ones(2, columns, dtype=torch.long)
+    mask[1, 0] = 0
     with pytest.raises(neofix.MaskLengthError) as raised:
-        forward(model32, input_ids=ids[:, 4:], attention_mask=torch.ones(2, columns, dtype=torch.long),
-                **{cache_keyword(model32): cache})
+        forward(model32, input_ids=ids[:, 4:], attention_mask=mask, **{cache_keyword(model32): cache})
     covers = (
         "as wide as this step's 3 new tokens, it may be their mask alone (a chunk's own mask), or the mask of the first "
         "3 cached tokens not extended since"

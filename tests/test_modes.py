@@ -87,7 +87,7 @@ def test_legacy_tuple_cache_in_strict_mode(model):
     cache = legacy(output_cache(out))
     step = dict(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], -1), use_cache=True)
     neofix.configure(mode="strict")
-    if not gpt_neo.LEGACY_CACHE_REJECTED:
+    if not gpt_neo.ADAPTER.legacy_cache_rejected:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # 4.45 - 4.53 warn about tuples themselves
             model(**step, **{cache_keyword(): cache})

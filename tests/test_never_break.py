@@ -21,6 +21,7 @@ import torch
 import neofix
 from neofix.testing import reference_positions, tiny_gpt_neo, tiny_gpt_neo_config
 
+from ._sync import read_values_on
 from ._vanilla import Outcome, Raises, expected
 from ._versions import TF_RELEASE, cache_keyword, legacy, output_cache, requires
 from .loops import patched_and_vanilla
@@ -589,7 +590,7 @@ def test_a_batch_of_no_rows_runs_or_fails_as_vanilla(path, inputs, monkeypatch):
         call["attention_mask"] = torch.ones((0, 5), dtype=torch.long)
     if inputs == "ids, mask and positions":
         call["position_ids"] = torch.zeros((0, 5), dtype=torch.long)
-    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path == "cpu")
+    read_values_on(monkeypatch, path == "cpu")
 
     def run():
         with torch.no_grad():
@@ -618,7 +619,7 @@ def test_a_chunk_of_no_rows_runs_or_fails_as_vanilla(path, given, monkeypatch):
     model = fresh()
     ids = torch.zeros((0, 5), dtype=torch.long)
     mask = torch.ones((0, 5), dtype=torch.long)
-    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path == "cpu")
+    read_values_on(monkeypatch, path == "cpu")
 
     def run():
         with torch.no_grad():

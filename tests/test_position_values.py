@@ -17,6 +17,7 @@ import torch
 import neofix
 from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
 
+from ._sync import read_values_on
 from ._versions import cache_keyword, has, output_cache
 from .loops import decode, left_padded_batch
 
@@ -292,30 +293,25 @@ def test_a_decode_step_positions_from_the_mask_keep_transformers_own_for_a_finis
     """``_decode_positions``: a real new token gets real tokens so far minus one; a masked new token (a finished
     row) keeps the position transformers gives it: the slot of a 1D ``cache_position`` (transformers' own, e.g. a
     static cache's), else the cached length; without either, the mask's count (pads at 0)."""
-    from neofix._core._values import _decode_positions
+    from neofix._core._values import mask_positions
 
     mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]])  # finished, left-padded, no real token
-    assert _decode_positions(mask, 3, None).tolist() == [[3], [2], [3]]
-    assert _decode_positions(mask, 3, torch.tensor([7])).tolist() == [[7], [2], [7]]
+    assert mask_positions(mask, 1, 3, None).tolist() == [[3], [2], [3]]
+    assert mask_positions(mask, 1, 3, torch.tensor([7])).tolist() == [[7], [2], [7]]
     # only a 1D cache_position names the step's slot; another shape is not transformers' and is not read
-    assert _decode_positions(mask, 3, torch.tensor([[7], [7], [7]])).tolist() == [[3], [2], [3]]
-    assert _decode_positions(mask, None, None).tolist() == [[2], [2], [0]]
-    assert _decode_positions(mask, None, torch.tensor([7])).tolist() == [[7], [2], [7]]
+    assert mask_positions(mask, 1, 3, torch.tensor([[7], [7], [7]])).tolist() == [[3], [2], [3]]
+    assert mask_positions(mask, 1, None, None).tolist() == [[2], [2], [0]]
+    assert mask_positions(mask, 1, None, torch.tensor([7])).tolist() == [[7], [2], [7]]
 
 
 # -- which path reads the values: the forward's fast path, the general path (align), the path accelerators take ------
 
 
 def on_path(path, monkeypatch):
-    from neofix import _wrappers
-    from neofix._core import _values
-
-    if path == "general":
-        monkeypatch.setattr(_wrappers, "plain_forward", lambda *args: (None, 0, None))
-    monkeypatch.setattr(_values, "READ_SCALARS_ON_CPU", path != "accelerator")
+    read_values_on(monkeypatch, path != "accelerator")
 
 
-PATHS = ["fast", "general", "accelerator", "bool mask"]  # a bool mask is read by the general path's torch reads
+PATHS = ["cpu", "accelerator", "bool mask"]  # the host's reads, the device's, and a mask of another dtype
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -420,7 +416,7 @@ def test_a_left_padded_prompt_of_two_tokens_gets_the_masks_positions(path, monke
     assert len(said(caught)) == 1 and said(caught)[0].startswith("neofix: row 1 of this forward is left-padded")
 
 
-@pytest.mark.parametrize("path", ["general", "accelerator"])
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
 def test_counted_padding_is_repaired_in_its_row_only(path, monkeypatch):
     """A batch of two left-padded rows given positions: row 0's count its padding (arange), row 1's are a custom
     scheme (the mask's plus 2).  Row 0's are repaired, so it computes what it computes alone; row 1's are left as
@@ -530,11 +526,10 @@ def test_a_chunks_given_positions_at_its_pads_are_not_compared(path, pad_positio
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             cache = output_cache(model(**prefill, use_cache=True))
-            view = gpt_neo.read_cache(cache, model.config.num_layers)  # (the chunk's forward grows the cache)
+            view = gpt_neo.ADAPTER.read_cache(cache, model.config.num_layers)  # (the chunk's forward grows it)
             logits = model(**chunk, **{cache_keyword(): cache}).logits
     assert torch.equal(logits, vanilla)
     assert said(caught) == []
     step = StepInputs(chunk["input_ids"], None, chunk["attention_mask"], chunk["position_ids"], None, None)
-    compiling = Policy(compiling=True, positions="absolute")
-    aligned = align(step, view, gpt_neo.limits(model.config), compiling)
+    aligned = align(step, view, gpt_neo.ADAPTER.limits(model.config), Policy(compiling=True))
     assert torch.equal(aligned.position_ids, chunk["position_ids"])

@@ -274,7 +274,7 @@ def test_dropped_caches_and_positions_leave_no_bookkeeping_behind(model):
 # -- legacy tuple caches -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not gpt_neo.LEGACY_CACHE_REJECTED, reason="only transformers 4.54 and later reject tuple caches")
+@pytest.mark.skipif(not gpt_neo.ADAPTER.legacy_cache_rejected, reason="only transformers 4.54 and later reject tuple caches")
 def test_a_legacy_tuple_cache_is_wrapped_with_one_warning(model):
     """Repair mode: the tuple is wrapped in a DynamicCache, the step computes what the Cache object would, and the
     warning (whole text) is given once."""
@@ -299,7 +299,7 @@ def test_a_legacy_tuple_cache_is_wrapped_with_one_warning(model):
     ]
 
 
-@pytest.mark.skipif(not gpt_neo.LEGACY_CACHE_REJECTED, reason="only transformers 4.54 and later reject tuple caches")
+@pytest.mark.skipif(not gpt_neo.ADAPTER.legacy_cache_rejected, reason="only transformers 4.54 and later reject tuple caches")
 @pytest.mark.parametrize("keyword", sorted({"past_key_values", cache_keyword(transformers.GPTNeoModel)}))
 def test_a_legacy_tuple_given_to_the_base_model_goes_back_under_the_callers_keyword(model, keyword):
     """The base model called with a tuple cache under either name it takes (5.x: ``cache``, and ``past_key_values``,
@@ -394,7 +394,7 @@ def test_one_dimensional_input_ids_run_as_vanilla_runs_them(model, call):
     patched, _ = outcome(model, forward)
     with neofix.unpatched():
         plain, _ = outcome(model, forward)
-    if gpt_neo.FLAT_INPUT_IDS_ACCEPTED:
+    if gpt_neo.ADAPTER.flat_input_ids_accepted:
         if isinstance(plain, torch.Tensor):
             assert isinstance(patched, torch.Tensor) and torch.equal(patched, plain)
         else:

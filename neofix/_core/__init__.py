@@ -6,8 +6,8 @@ repairs made, as data) or raises a :class:`~neofix.NeofixError`.  Nothing here k
 model family.
 """
 
-from ._align import align, raise_cache_length_error, step_unchanged
-from ._types import NO_CACHE, Aligned, CacheView, Limits, Policy, Repair, Report, StepInputs
+from ._align import align, raise_cache_length_error
+from ._types import NO_CACHE, Aligned, CacheView, Limits, Policy, Positions, Repair, Report, StepInputs
 from ._values import derive_positions, explain_index_error
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "CacheView",
     "Limits",
     "Policy",
+    "Positions",
     "Repair",
     "Report",
     "StepInputs",
@@ -23,5 +24,4 @@ __all__ = [
     "derive_positions",
     "explain_index_error",
     "raise_cache_length_error",
-    "step_unchanged",
 ]

@@ -5,7 +5,9 @@ and it warns nothing itself (repairs come back as data; the caller reports them)
 ``q`` new tokens, ``p`` cached tokens, ``m`` mask columns, ``P`` the position table's size):
 
 * ``m == p + q``: unchanged.  ``m < p + q``: the mask was not extended; repair appends ones (strict: error).
-  ``m > p + q``: ambiguous, always an error.
+  ``m > p + q``: sliced to ``p + q`` where every reading of it gives the same mask (all ones), else an error.
+  A repair is never a guess: where two readings of a mask give different masks, it is refused; where they agree,
+  there is nothing to refuse.
 * position_ids missing: ``cumsum(mask) - 1`` over the whole mask, last ``q`` columns, pads clamped to 0.
   Length ``p + q``: the last ``q`` are taken (strict: error).  Any other length: re-derived (strict: error).
 * ``p + q > P``: error before any compute.  Batch mismatches, cache layers of different lengths, empty steps,
@@ -13,7 +15,8 @@ and it warns nothing itself (repairs come back as data; the caller reports them)
 
 :func:`align` runs five named steps in order: :func:`read_inputs` (the new tokens), :func:`check_cache`,
 :func:`align_mask`, :func:`align_side_inputs` (token types, cache positions) and :func:`align_positions`; then the
-value checks of :mod:`._values`.
+value rules of :mod:`._values`.  Each rule is written once, here or there; a step that keeps every rule (the usual
+decode step) passes each of them without a torch operation, so there is no separate fast path to keep equal.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .._errors import (
 from ._types import (
     CACHE_POSITION_DROPPED,
     MASK_EXTENDED,
+    MASK_SLICED,
     POSITIONS_REDERIVED,
     POSITIONS_SLICED,
     TOKEN_TYPES_SLICED,
@@ -41,63 +45,24 @@ from ._types import (
     CacheView,
     Limits,
     Policy,
+    Positions,
     Repair,
     StepInputs,
 )
-from ._values import FIX_POSITIONS, settle
+from ._values import FIX_POSITIONS, ValueStep, settle
 
 FIX_MASK = "append a column of ones per new token (torch.cat([mask, mask.new_ones(batch, new_tokens)], -1))"
-
-_new_tuple = tuple.__new__
-
 
 def tokens(count: int) -> str:
     return "1 new token" if count == 1 else f"{count} new tokens"
 
 
+def counted(count: Any, thing: str) -> str:
+    return f"{count} {thing}" if count == 1 else f"{count} {thing}s"
+
+
 def rows(count: int) -> str:
     return f"{count} row{'s' if count != 1 else ''}"
-
-
-def step_unchanged(
-    batch: int,
-    new: int,
-    mask_shape: tuple[int, ...] | None,
-    positions_shape: tuple[int, ...] | None,
-    token_types_given: bool,
-    cache_position_length: int | None,
-    cache: CacheView,
-    limits: Limits,
-    model_positions: bool = False,
-) -> bool:
-    """Whether :func:`align` (with ``check_values`` off) returns the step as given: nothing repaired, nothing raised,
-    no value read.  Shapes and ints only, so that a model forward can skip :func:`align` for the hottest call there
-    is, a single-token decode step that already keeps the contract.
-
-    True for one new token per row after a cache every layer of which holds the same ``p > 0`` tokens of the same
-    rows, in keys of the model's heads and head width, with ``p + 1`` within the position table, no token types, a
-    ``cache_position`` of one entry or none, and either a 2D mask of ``p + 1`` columns with one position per row, or
-    no mask (with one position per row or none: transformers 5.x passes no mask for an unpadded batch).
-    ``model_positions``: the family leaves missing positions to the model (``Policy.positions`` other than
-    ``"absolute"``), so a mask of ``p + 1`` columns without positions is unchanged too.
-    """
-    past, rows, lengths, _, heads, head_dim, _ = cache  # unpacked at once: cheaper than each field by name
-    max_positions, _, _, model_heads, model_head_dim = limits
-    if new != 1 or not past or rows != batch or token_types_given:
-        return False
-    if heads is not None and model_heads is not None and (heads != model_heads or head_dim != model_head_dim):
-        return False  # a cache another model built: check_cache names it
-    if max_positions is not None and past >= max_positions:
-        return False
-    if cache_position_length not in (None, 1):
-        return False
-    if lengths is None or lengths.count(past) != len(lengths):
-        return False
-    if mask_shape is None:
-        return positions_shape is None or positions_shape == (batch, 1)
-    if positions_shape is None:
-        return model_positions and mask_shape == (batch, past + 1)
-    return mask_shape == (batch, past + 1) and positions_shape == (batch, 1)
 
 
 def align(step: StepInputs, cache: CacheView, limits: Limits, policy: Policy = Policy()) -> Aligned | None:
@@ -117,24 +82,17 @@ def align(step: StepInputs, cache: CacheView, limits: Limits, policy: Policy = P
     mask, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs)
     token_types, cache_position = align_side_inputs(step, new, total, strict, repairs)
     first = step.input_ids if step.input_ids is not None else step.inputs_embeds
+    model_mask = mask is not None and not mask_2d
     positions, given = align_positions(
-        step.position_ids, mask_2d, batch, new, cache.length, total, strict, repairs, first, policy.positions
+        step.position_ids, mask_2d, model_mask, batch, new, cache.length, total, strict, repairs, first,
+        policy.positions,
     )
-    settled = settle(
-        step.input_ids,
-        token_types,
-        positions,
-        given,
-        mask if mask_2d else None,
-        new,
-        cache.length,
+    values = ValueStep(
+        step.input_ids, token_types, positions, given, mask if mask_2d else None, model_mask, new, cache.length,
         cache_position,
-        limits,
-        policy,
-        repairs,
     )
-    # tuple.__new__ builds the same Aligned as Aligned(...) without the Python-level __new__ NamedTuple generates
-    aligned = (
+    settled = settle(values, limits, policy, repairs)
+    return Aligned(
         mask,
         settled.positions,
         token_types,
@@ -146,7 +104,6 @@ def align(step: StepInputs, cache: CacheView, limits: Limits, policy: Policy = P
         settled.report,
         settled.right_padded,
     )
-    return _new_tuple(Aligned, aligned)  # type: ignore[no-any-return]
 
 
 # -- 1. the new tokens -----------------------------------------------------------------------------------------------
@@ -273,17 +230,21 @@ def _align_padding_mask(
     if total is None or columns == total:
         return mask
     expected = (
-        f"attention_mask has {columns} columns, but the cache holds {past} tokens and this step feeds {new}: "
-        f"expected {total}"
+        f"attention_mask has {counted(columns, 'column')}, but the cache holds {counted(past, 'token')} and this step "
+        f"feeds {new}: expected {total}"
     )
     if columns > total:
-        raise MaskLengthError(
-            f"{expected}. A longer mask is ambiguous (which columns belong to the cache?): pass the mask of "
-            f"exactly the cached plus the new tokens"
-        )
-    if past and (columns == new or columns > past):
-        # as wide as the new tokens (the chunk's own mask?) or covering only some of them: which columns are the
-        # cache's cannot be told, and extending would be a guess
+        if not _readings_agree(mask, total):
+            raise MaskLengthError(
+                f"{expected}. A longer mask is ambiguous (which columns belong to the cache? its first {total} "
+                f"columns and its last {total} give different masks): pass the mask of exactly the cached plus the "
+                f"new tokens"
+            )
+        repairs.append(Repair(MASK_SLICED, ""))  # every reading gives the same mask: as transformers slices it
+        return mask[:, :total]
+    if past and (columns == new or columns > past) and not _readings_agree(mask, total):
+        # as wide as the new tokens (the chunk's own mask?) or covering only some of them: the mask extended with
+        # ones on the right and on the left are two readings, and with zeros in it they differ
         raise MaskLengthError(
             f"{expected}. It cannot be told which tokens it covers: "
             + (
@@ -306,6 +267,15 @@ def _align_padding_mask(
     return torch.cat([mask, mask.new_ones((batch, total - columns))], dim=-1)
 
 
+def _readings_agree(mask: Any, total: int) -> bool:
+    """Whether every reading of a mask of another width than ``total`` gives the same mask of ``total`` columns:
+    its first and its last ``total`` columns (a longer mask), or it extended with ones on the right and on the left
+    (a shorter one; equal only when it is all ones).  Reads the mask: only masks of a wrong width get here."""
+    if mask.shape[1] > total:
+        return bool(torch.equal(mask[:, :total], mask[:, -total:]))
+    return bool((mask == 1).all())
+
+
 def _check_model_mask(mask: Any, dims: int, batch: int, new: int, cache: CacheView, total: int | None) -> None:
     """Refuse a 3D or 4D mask of other rows or columns than the step's (it is used as given, never repaired)."""
     if mask.shape[0] not in (1, batch):
@@ -316,15 +286,15 @@ def _check_model_mask(mask: Any, dims: int, batch: int, new: int, cache: CacheVi
     keys = mask.shape[-1]
     if cache.capacity is not None:  # the keys span every slot (a mask of the tokens so far runs on no release)
         fits = keys == cache.capacity
-        needs = f"{cache.capacity} (the static cache's slots)"
+        needs = f"{cache.capacity} columns, one per slot of the static cache"
     else:
         fits = total is None or keys == total
-        needs = f"{total}: one column per cached plus new token (the cache holds {cache.length})"
+        needs = f"{total} columns, one per cached and new token (the cache holds {cache.length})"
     if mask.shape[-2] != new or not fits:
         raise MaskLengthError(
-            f"the {dims}D attention_mask has shape {tuple(mask.shape)}, but this step needs {new} row"
-            f"{'s' if new != 1 else ''} (one per new token) and {needs} columns; or pass the 2D (batch, cached + "
-            f"new tokens) padding mask and let the model build the rest"
+            f"the {dims}D attention_mask has shape {tuple(mask.shape)}, but this step needs {new} "
+            f"row{'s' if new != 1 else ''} of queries (one per new token) and {needs}: pass a mask of that shape, "
+            f"or pass the 2D (batch, cached + new tokens) padding mask and let the model build the rest"
         )
 
 
@@ -359,6 +329,7 @@ def align_side_inputs(
 def align_positions(
     positions: Any,
     mask_2d: bool,
+    model_mask: bool,
     batch: int,
     new: int,
     past: int | None,
@@ -366,15 +337,16 @@ def align_positions(
     strict: bool,
     repairs: list[Repair],
     first: Any,
-    kind: str = "absolute",
+    kind: Positions = Positions.ABSOLUTE,
 ) -> tuple[Any, bool]:
-    """The positions after the shape rules, and whether they are the caller's (``kind``: see :class:`Policy`).
+    """The positions after the shape rules, and whether they are the caller's (``kind``: see :class:`Positions`).
 
     ``(given positions of q columns, True)``, or ``(None, False)`` to derive them from the 2D mask in the value step
-    (or leave them to the model where there is none), or ``(positions made from shapes, False)``: positions of
-    another length with no 2D mask, where every token is real and positions continue after the cache.
+    (or leave them to the model where there is none), or ``(positions made from shapes, False)``: stale positions
+    with no mask at all, where every token is real and positions continue after the cache.  With a 3D or 4D mask
+    (``model_mask``) no position is derived: stale ones are refused.
     """
-    if positions is None or kind == "none":  # none given, or a family that takes none (left for the model to refuse)
+    if positions is None or kind is Positions.NONE:  # none given, or a family that takes none (the model refuses)
         return positions, False
     _check_positions_shape(positions, batch)
     length = positions.shape[-1]
@@ -386,19 +358,23 @@ def align_positions(
     if total is not None and length == total:
         repairs.append(Repair(POSITIONS_SLICED, ""))
         return positions[..., -new:], True
-    if kind == "rotary":
+    if kind is Positions.ROTARY:
         raise PositionError(
             f"{described}: with rotary positions the new tokens must continue the positions the cache was built with "
             f"(transformers' own, counting left padding, or the mask's), which stale positions do not tell: "
             f"{FIX_POSITIONS}"
         )
+    if model_mask:
+        raise PositionError(
+            f"{described}: with a 3D or 4D attention mask neofix cannot tell the rows' positions (it never derives "
+            f"them from a mask it was not given): pass the new tokens' positions only"
+        )
     from_mask = mask_2d or past is None
-    derived = from_mask or kind == "mask"  # (a family that derives positions from its mask: left to it)
     instead = (
         "derived them from the attention mask instead"
         if from_mask
-        else f"gave them the positions after the cache instead, {past} to {total - 1} (without a 2D mask every token is "
-        f"real)"  # type: ignore[operator]
+        else f"gave them the positions after the cache instead, {past} to {total - 1} (with no attention mask every "
+        f"token is real)"  # type: ignore[operator]
     )
     repairs.append(
         Repair(
@@ -407,9 +383,8 @@ def align_positions(
             f"once.",
         )
     )
-    if derived:
+    if from_mask or kind is Positions.MASK:  # (a family that derives positions from its mask: left to it)
         return None, False
-    # no 2D mask: every token is real, so positions simply continue after the cache
     return torch.arange(past, total, device=first.device).unsqueeze(0), False  # type: ignore[arg-type]
 
 

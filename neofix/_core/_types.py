@@ -3,6 +3,7 @@ alignment made of it.  Plain ``NamedTuple`` s of tensors and ints: nothing here 
 
 from __future__ import annotations
 
+import enum
 from typing import Any, NamedTuple
 
 # Repair kinds: the names traces list in ``repairs`` and warnings are remembered by (each is warned once).
@@ -15,6 +16,32 @@ POSITION_VALUES = "position_values_repaired"  # a cached step's positions disagr
 POSITIONS_COUNT_PADDING = "positions_count_padding"  # prefill: arange over a left-padded row; re-derived
 TOKEN_TYPES_SLICED = "token_type_ids_sliced"
 CACHE_POSITION_DROPPED = "cache_position_dropped"
+MASK_SLICED = "mask_sliced"  # a mask longer than cached plus new tokens whose every reading agrees: sliced (silent)
+
+
+class Positions(enum.Enum):
+    """What positions mean to a model family (its adapter's ``positions``), and so what alignment does with them.
+
+    * ``ABSOLUTE`` (GPT-Neo, GPT-2): looked up in a table, so their values matter on their own.  Missing ones are
+      derived from the mask; given ones are compared with the mask's; stale ones are derived again.
+    * ``MASK`` (OPT): absolute, but the model derives missing ones from the mask itself.  Given ones are compared
+      with the mask's; stale ones are dropped (the model derives them).
+    * ``ROTARY`` (GPT-J, CodeGen, GPT-NeoX): only differences matter, so transformers' own positions (which count
+      left padding) are as right as the mask's, and a cache built with either must be continued with the same: given
+      positions are left as they are, missing ones left to the model; stale ones cannot be told apart from either
+      scheme: an error.
+    * ``NONE`` (BLOOM, ALiBi): the model takes no positions; they are left alone.
+    """
+
+    ABSOLUTE = "absolute"
+    MASK = "mask"
+    ROTARY = "rotary"
+    NONE = "none"
+
+    @property
+    def compared(self) -> bool:
+        """Whether given positions are compared with the mask's (their values are looked up in a table)."""
+        return self is Positions.ABSOLUTE or self is Positions.MASK
 
 
 class CacheView(NamedTuple):
@@ -72,17 +99,8 @@ class Policy(NamedTuple):
     ``trusted_positions``: the positions were built from the mask by transformers' generate (no need to compare).
     ``compiling``: inside ``torch.compile``: shapes only, nothing read off the device, nothing reported.
     ``uncached_positions``: ``"mask"`` derives the positions of a left-padded forward without a cache from the mask;
-    ``"transformers"`` leaves transformers' own there.  ``positions``: what positions mean to the model family:
-
-    * ``"absolute"`` (GPT-Neo, GPT-2): looked up in a table, so their values matter on their own.  Missing ones are
-      derived from the mask; given ones are compared with the mask's; stale ones are derived again.
-    * ``"mask"`` (OPT): absolute, but the model derives missing ones from the mask itself.  Given ones are compared
-      with the mask's; stale ones are dropped (the model derives them).
-    * ``"rotary"`` (GPT-J, CodeGen, GPT-NeoX): only differences matter, so transformers' own positions (which count
-      left padding) are as right as the mask's, and a cache built with either must be continued with the same: given
-      positions are left as they are (range-checked), missing ones left to the model; stale ones cannot be told
-      apart from either scheme: an error.
-    * ``"none"`` (BLOOM, ALiBi): the model takes no positions; they are left alone.
+    ``"transformers"`` leaves transformers' own there.  ``positions``: what positions mean to the model family
+    (:class:`Positions`).
     """
 
     strict: bool = False
@@ -90,7 +108,7 @@ class Policy(NamedTuple):
     trusted_positions: bool = False
     compiling: bool = False
     uncached_positions: str = "mask"
-    positions: str = "absolute"
+    positions: Positions = Positions.ABSOLUTE
 
 
 class Report(NamedTuple):

@@ -41,12 +41,12 @@ class Context:
         import inspect
 
         if adapter is None:
-            from .._families import gpt_neo as adapter
+            from .._families.gpt_neo import ADAPTER as adapter
         self.model = model
         self.adapter = adapter
         config = model.config
         self.vocab_size = int(config.vocab_size)
-        self.positions_kind = adapter.POSITIONS
+        self.positions_kind = adapter.positions.value
         #: the position table's size where running past it is an error, else None (the model extrapolates)
         self.limit = adapter.limits(config).max_positions
         self.max_positions = self.limit if self.limit is not None else _table_size(config)
@@ -320,7 +320,7 @@ def _positions_matter(scenario: Scenario, ctx: Context) -> Any:
 
 
 def _table(scenario: Scenario, ctx: Context) -> Any:
-    if ctx.limit is None and not hasattr(ctx.adapter, "explain_overflow"):  # extrapolates: runs as vanilla
+    if ctx.limit is None and ctx.adapter.explain_overflow is None:  # extrapolates: runs as vanilla
         # (OPT has no limit up front either, but names the overflow at the failing lookup: the error is expected)
         return scenario._replace(reference=_overflow_vanilla, error=None, strict_error=None, parity=True)
     return None

@@ -1,8 +1,13 @@
 """The model families neofix patches, declared: each one's modeling module and the attributes neofix replaces there.
 
 Importing this package imports neither torch nor transformers (``import neofix`` reads it to register its import
-hooks).  A family's adapter (the part that reads its forward's arguments, config and cache) lives in a module of
-this package imported only when the family's modeling module is loaded.
+hooks).  A family's adapter (the part that reads its forward's arguments, config and cache: a
+:class:`~neofix._families._contract.Adapter`) lives in a module of this package imported only when the family's
+modeling module is loaded.
+
+Adding a family: declare its :class:`Family` below (usually with :func:`_standard`) and add it to
+:data:`FAMILIES`; write ``neofix/_families/<name>.py`` declaring its ``ADAPTER``; add it to the doctor's and the
+tests' tiny configs (``neofix.testing.FAMILY_CONFIGS``).  Nothing in ``neofix/_core`` changes.
 """
 
 from __future__ import annotations
@@ -64,10 +69,10 @@ class Family:
         return f"Family({self.name!r})"
 
     def load_adapter(self) -> Any:
-        """The family's adapter module (imports torch and transformers)."""
+        """The family's :class:`~neofix._families._contract.Adapter` (imports torch and transformers)."""
         import importlib
 
-        return importlib.import_module(self.adapter)
+        return importlib.import_module(self.adapter).ADAPTER
 
 
 def _standard(

@@ -14,32 +14,20 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _caches, _compat
-from .._core import CacheView
+from .._core import CacheView, Positions
 from .._errors import InputShapeError
 from . import BLOOM
-from ._common import make_limits, no_check
-
-FAMILY = BLOOM
+from ._contract import Adapter, make_limits
 
 #: Up to 4.43 BLOOM's cache is fused: keys ``(batch * heads, head_dim, tokens)``, values ``(batch * heads, tokens,
 #: head_dim)`` (``BloomPreTrainedModel._convert_to_bloom_cache``); from 4.44 a ``Cache`` object of the usual layout.
 FUSED_CACHE = _compat.release() < (4, 44)
 
-#: From 4.54 BLOOM's forward rejects legacy tuple caches ("'tuple' object has no attribute 'get_seq_length'").
-LEGACY_CACHE_REJECTED = _compat.release() >= (4, 54)
-
-#: BLOOM's forward fails on 1D ``input_ids`` on every release ("not enough values to unpack").
-FLAT_INPUT_IDS_ACCEPTED = False
-
-#: BLOOM's forward takes no ``token_type_ids``.
-TOKEN_TYPES_ARE_IDS = False
-
-#: ALiBi: no positions (see neofix._core.Policy).
-POSITIONS = "none"
 
 
-#: No position table (``max_positions`` is ``None``): ALiBi extrapolates, a sequence of any length is no error.
-limits = make_limits(table=None, width="hidden_size", heads="n_head")
+
+
+
 
 
 class LayerCount(int):
@@ -121,5 +109,14 @@ def read_fused(cache: Any, layer_count: int) -> CacheView:
     return CacheView(lengths[0], rows // heads, tuple(lengths), None, heads, head_dim, "legacy")
 
 
-#: BLOOM has no refusals of its own: no position table, no attention window.
-check_step = no_check
+ADAPTER = Adapter(
+    family=BLOOM,
+    positions=Positions.NONE,  # ALiBi: the model takes no positions
+    # no position table (max_positions None): ALiBi extrapolates, a sequence of any length is no error
+    limits=make_limits(table=None, width="hidden_size", heads="n_head"),
+    layers=layers,
+    read_cache=read_cache,
+    # no refusal of its own: no position table, no attention window
+    legacy_cache_rejected=_compat.release() >= (4, 54),  # 'tuple' object has no attribute 'get_seq_length'
+    flat_input_ids_accepted=False,  # every release fails on 1D input_ids ("not enough values to unpack")
+)

@@ -8,28 +8,9 @@ Imported when transformers loads CodeGen's modeling module.
 
 from __future__ import annotations
 
+import dataclasses
+
 from . import CODEGEN
-from .gptj import (
-    FLAT_INPUT_IDS_ACCEPTED,
-    LEGACY_CACHE_REJECTED,
-    POSITIONS,
-    TOKEN_TYPES_ARE_IDS,
-    check_step,
-    layers,
-    limits,
-    read_cache,
-)
+from .gptj import ADAPTER as GPTJ_ADAPTER
 
-FAMILY = CODEGEN
-
-__all__ = [
-    "FAMILY",
-    "FLAT_INPUT_IDS_ACCEPTED",
-    "LEGACY_CACHE_REJECTED",
-    "POSITIONS",
-    "TOKEN_TYPES_ARE_IDS",
-    "check_step",
-    "layers",
-    "limits",
-    "read_cache",
-]
+ADAPTER = dataclasses.replace(GPTJ_ADAPTER, family=CODEGEN)

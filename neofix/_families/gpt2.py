@@ -16,25 +16,15 @@ Measured with tiny random models, vanilla transformers 4.26 - 5.24: GPT-2 fails 
 from __future__ import annotations
 
 from .. import _compat
+from .._core import Positions
 from . import GPT2
-from ._common import make_layers, make_limits, no_check
-from ._common import read_cache as read_cache
+from ._contract import Adapter, make_layers, make_limits
 
-FAMILY = GPT2
-
-#: From 5.0 GPT-2's forward rejects legacy tuple caches (measured: 4.57 converts them, 5.0 fails).
-LEGACY_CACHE_REJECTED = _compat.release() >= (5, 0)
-
-#: GPT-2's forward reads 1D ``input_ids`` as one row on every release (``view(-1, length)``).
-FLAT_INPUT_IDS_ACCEPTED = True
-
-#: GPT-2 embeds ``token_type_ids`` with its token embedding: they are token ids, range-checked against the vocab.
-TOKEN_TYPES_ARE_IDS = True
-
-#: Learned absolute positions (see neofix._core.Policy).
-POSITIONS = "absolute"
-
-
-limits = make_limits(table="n_positions", width="n_embd", heads="n_head")
-layers = make_layers("h")  # GPT2Model's blocks
-check_step = no_check
+ADAPTER = Adapter(
+    family=GPT2,
+    positions=Positions.ABSOLUTE,  # learned absolute positions
+    limits=make_limits(table="n_positions", width="n_embd", heads="n_head"),
+    layers=make_layers("h"),  # GPT2Model's blocks
+    legacy_cache_rejected=_compat.release() >= (5, 0),  # measured: 4.57 converts tuples, 5.0 fails
+    flat_input_ids_accepted=True,  # every release reads 1D input_ids as one row (view(-1, length))
+)

@@ -8,35 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
-from .._core import CacheView
+from .._core import CacheView, Positions
 from .._errors import AttentionWindowError
 from . import GPT_NEO
-from ._common import make_layers, make_limits
-from ._common import read_cache as read_cache
-
-FAMILY = GPT_NEO
-
-#: From 4.54 GPT-Neo's forward rejects legacy tuple caches ("should be either a `Cache` object or `None`").
-LEGACY_CACHE_REJECTED = _compat.release() >= (4, 54)
-
-#: Up to 4.44 GPT-Neo's forward reads 1D ``input_ids`` as one row (later releases fail on them).
-FLAT_INPUT_IDS_ACCEPTED = _compat.release() < (4, 45)
-
-#: From 4.45 GPT-Neo's forward takes ``Cache`` objects (4.45 - 4.53 still take tuples, logging a deprecation).
-CACHE_OBJECTS_ACCEPTED = _compat.release() >= (4, 45)
-
-#: Up to 4.44 each attention layer gets its own ``(key, value)`` pair; from 4.45 every layer gets the Cache object.
-ATTENTION_GETS_LAYER_PAIRS = _compat.release() < (4, 45)
-
-#: GPT-Neo embeds ``token_type_ids`` with its token embedding: they are token ids, range-checked against the vocab.
-TOKEN_TYPES_ARE_IDS = True
-
-#: Learned absolute positions (see neofix._core.Policy).
-POSITIONS = "absolute"
-
-
-limits = make_limits(table="max_position_embeddings", width="hidden_size", heads="num_heads")
-layers = make_layers("h")  # GPTNeoModel's blocks
+from ._contract import Adapter, make_layers, make_limits
 
 
 def check_step(model: Any, cache: CacheView) -> None:
@@ -57,3 +32,15 @@ def check_step(model: Any, cache: CacheView) -> None:
             f"cache_implementation='static'), "
             f"or a static cache of at most {window} slots"
         )
+
+
+ADAPTER = Adapter(
+    family=GPT_NEO,
+    positions=Positions.ABSOLUTE,  # learned absolute positions
+    limits=make_limits(table="max_position_embeddings", width="hidden_size", heads="num_heads"),
+    layers=make_layers("h"),  # GPTNeoModel's blocks
+    check_step=check_step,
+    # from 4.54 the forward rejects legacy tuple caches ("should be either a `Cache` object or `None`")
+    legacy_cache_rejected=_compat.release() >= (4, 54),
+    flat_input_ids_accepted=_compat.release() < (4, 45),  # up to 4.44 1D input_ids are read as one row
+)

@@ -21,26 +21,11 @@ Measured with tiny random models, vanilla transformers 4.26 - 5.24:
 from __future__ import annotations
 
 import sys
+
 from .. import _compat
+from .._core import Positions
 from . import GPT_NEOX
-from ._common import make_layers, make_limits, no_check
-from ._common import read_cache as read_cache
-
-FAMILY = GPT_NEOX
-
-#: Legacy tuple caches fail in GPT-NeoX's forward from 4.49, where its attention was rewritten on transformers'
-#: attention interface (measured: 4.48 converts them, 4.53 fails on ``'tuple' object has no attribute
-#: 'get_seq_length'``).
-LEGACY_CACHE_REJECTED = _compat.release() >= (4, 49)
-
-#: GPT-NeoX's forward never read 1D ``input_ids`` (``ValueError: not enough values to unpack``).
-FLAT_INPUT_IDS_ACCEPTED = False
-
-#: GPT-NeoX takes no ``token_type_ids``.
-TOKEN_TYPES_ARE_IDS = False
-
-#: Rotary positions (see neofix._core.Policy); up to 4.27 the forward takes none ("none": nothing to align).
-POSITIONS = "rotary" if _compat.release() >= (4, 28) else "none"
+from ._contract import Adapter, make_layers, make_limits
 
 
 def _causal_buffer_is_fixed() -> bool:
@@ -49,7 +34,7 @@ def _causal_buffer_is_fixed() -> bool:
     attention class tells: the buffer grows where it has ``_init_bias``."""
     if _compat.release() >= (4, 36):
         return False
-    module = sys.modules.get(FAMILY.module)
+    module = sys.modules.get(GPT_NEOX.module)
     attention = getattr(module, "GPTNeoXAttention", None)
     return attention is not None and not hasattr(attention, "_init_bias")
 
@@ -59,8 +44,14 @@ def _causal_buffer_is_fixed() -> bool:
 TABLE_IS_A_LIMIT = _causal_buffer_is_fixed()
 
 
-limits = make_limits(
-    table="max_position_embeddings" if TABLE_IS_A_LIMIT else None, width="hidden_size", heads="num_attention_heads"
+ADAPTER = Adapter(
+    family=GPT_NEOX,
+    # rotary; up to 4.27 the forward takes no position_ids (nothing to align)
+    positions=Positions.ROTARY if _compat.release() >= (4, 28) else Positions.NONE,
+    limits=make_limits(
+        table="max_position_embeddings" if TABLE_IS_A_LIMIT else None, width="hidden_size", heads="num_attention_heads"
+    ),
+    layers=make_layers("layers"),  # GPTNeoXModel's blocks
+    # tuples fail from 4.49, where the attention was rewritten on transformers' attention interface (4.48 converts)
+    legacy_cache_rejected=_compat.release() >= (4, 49),
 )
-layers = make_layers("layers")  # GPTNeoXModel's blocks
-check_step = no_check

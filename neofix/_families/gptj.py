@@ -22,31 +22,24 @@ Measured with tiny random models, vanilla transformers 4.26 - 5.24:
 from __future__ import annotations
 
 from .. import _compat
+from .._core import Positions
 from . import GPTJ
-from ._common import make_layers, make_limits, no_check
-from ._common import read_cache as read_cache
-
-FAMILY = GPTJ
-
-#: Legacy tuple caches fail in GPT-J's forward from 4.54 (``'tuple' object has no attribute 'get_seq_length'``;
-#: measured: 4.53 converts them, 4.57 fails; 4.54 is the release GPT-Neo's forward stopped taking them as well).
-LEGACY_CACHE_REJECTED = _compat.release() >= (4, 54)
-
-#: Up to 4.30 GPT-J's forward reads 1D ``input_ids`` as one row (``view(-1, length)``); 4.36 fails on them.  Kept
-#: up to 4.35: where that is wrong, transformers' own error surfaces, and no call that works is refused.
-FLAT_INPUT_IDS_ACCEPTED = _compat.release() < (4, 36)
-
-#: GPT-J embeds ``token_type_ids`` with its token embedding: they are token ids, range-checked against the vocab.
-TOKEN_TYPES_ARE_IDS = True
+from ._contract import Adapter, make_layers, make_limits
 
 #: Rotary positions, looked up by ``position_ids`` from 4.28; up to 4.27 the attention ignores the ``position_ids``
-#: the forward takes, so neofix leaves them alone as well (see neofix._core.Policy): stale ones decode right there.
-POSITIONS = "rotary" if _compat.release() >= (4, 28) else "none"
+#: the forward takes, so neofix leaves them alone as well: stale ones decode right there.
+POSITIONS = Positions.ROTARY if _compat.release() >= (4, 28) else Positions.NONE
 
-
-#: The sinusoid table (and up to 4.27 the causal-mask buffer) has ``n_positions`` rows: past it is an error.
-limits = make_limits(table="n_positions", width="n_embd", heads="n_head")
-layers = make_layers("h")  # GPTJModel's blocks
-#: Its attention has no window, and a static cache's slots past the sequence are masked by the 4D mask transformers
-#: builds for it.
-check_step = no_check
+ADAPTER = Adapter(
+    family=GPTJ,
+    positions=POSITIONS,
+    # the sinusoid table (and up to 4.27 the causal-mask buffer) has n_positions rows: past it is an error
+    limits=make_limits(table="n_positions", width="n_embd", heads="n_head"),
+    layers=make_layers("h"),  # GPTJModel's blocks
+    # its attention has no window, and a static cache's slots past the sequence are masked by the 4D mask
+    # transformers builds for it: no check of its own.
+    # Legacy tuple caches fail from 4.54 ('tuple' object has no attribute 'get_seq_length'; 4.53 converts them)
+    legacy_cache_rejected=_compat.release() >= (4, 54),
+    # up to 4.30 1D input_ids are read as one row; 4.36 fails on them (kept up to 4.35: transformers' error surfaces)
+    flat_input_ids_accepted=_compat.release() < (4, 36),
+)

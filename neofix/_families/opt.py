@@ -22,31 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
+from .._core import Positions
 from .._errors import SequenceTooLongError
 from . import OPT
-from ._common import make_layers, make_limits, no_check
-from ._common import read_cache as read_cache
-
-FAMILY = OPT
-
-#: From 4.54 OPT's decoder rejects legacy tuple caches (measured: 4.53 converts them, 4.54 fails).
-LEGACY_CACHE_REJECTED = _compat.release() >= (4, 54)
-
-#: OPT's decoder reads 1D ``input_ids`` as one row from 4.53 (4.48 and earlier fail on them); where it does not,
-#: transformers' own error surfaces.
-FLAT_INPUT_IDS_ACCEPTED = _compat.release() >= (4, 53)
-
-#: OPT takes no ``token_type_ids``.
-TOKEN_TYPES_ARE_IDS = False
-
-#: Absolute positions the model derives from the mask (see neofix._core.Policy).
-POSITIONS = "mask"
-
-
-#: No limit in columns (``max_positions`` is ``None``): see the module's docstring and :func:`explain_overflow`.
-limits = make_limits(table=None, width="hidden_size", heads="num_attention_heads")
-layers = make_layers("layers")  # OPTDecoder's blocks
-check_step = no_check
+from ._contract import Adapter, make_layers, make_limits
 
 
 def explain_overflow(cause: IndexError, config: Any, mask: Any, positions: Any, past: int | None) -> None:
@@ -73,3 +52,15 @@ def explain_overflow(cause: IndexError, config: Any, mask: Any, positions: Any, 
         )
         error.past, error.total, error.max_positions = past, int(positions.max()) + 1, size
         raise error from cause
+
+
+ADAPTER = Adapter(
+    family=OPT,
+    positions=Positions.MASK,  # absolute positions the model derives from the mask
+    # no limit in columns (max_positions None): see the module's docstring and explain_overflow
+    limits=make_limits(table=None, width="hidden_size", heads="num_attention_heads"),
+    layers=make_layers("layers"),  # OPTDecoder's blocks
+    legacy_cache_rejected=_compat.release() >= (4, 54),  # measured: 4.53 converts tuples, 4.54 fails
+    flat_input_ids_accepted=_compat.release() >= (4, 53),  # 4.48 and earlier fail on 1D input_ids
+    explain_overflow=explain_overflow,
+)

@@ -1,0 +1,191 @@
+"""Reading a step's values: one interface, two implementations, chosen once per step by :func:`reader_for`.
+
+A value read (token ids, mask values, given positions) is a host-device synchronisation on an accelerator, and a
+torch reduction costs tens of microseconds on the CPU right after a forward.  So a step that reads does it once,
+through one of two readers that answer the same :class:`Question` with the same :class:`Facts`:
+
+* :func:`read_on_host` (tensors in CPU memory): one ``tolist()`` per tensor, searched at C speed (list counts,
+  ``bytes`` searches).  Token ids, token types and the range of given positions are not read there: on the CPU an
+  index outside a table raises ``IndexError`` in the lookup before anything runs, and the model forward names the
+  value (:func:`~neofix._core._values.explain_index_error`).
+* :func:`read_on_device` (an accelerator): every check as a tensor, concatenated and read with one ``tolist()``.
+
+The rules that judge the facts live in :mod:`._values`; nothing here decides anything.  Single-token decode steps
+read nothing (see :func:`~neofix._core._values.settle`).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+
+class Question(NamedTuple):
+    """What a step asks of its values.  ``positions``: the given positions (``None``: none given); ``compare``: compare
+    them with the mask's; ``range_of_positions``: read their smallest and largest value (a family with a position
+    table); ``mask``: the aligned 2D mask or ``None``; ``past``: cached tokens (``None``: not known; 0 without a
+    cache)."""
+
+    input_ids: Any
+    token_types: Any
+    positions: Any
+    compare: bool
+    range_of_positions: bool
+    mask: Any
+    new: int
+    past: int | None
+
+
+class Facts(NamedTuple):
+    """What a step's values are, read once.  ``None`` ranges were not read (see :func:`read_on_host`).
+
+    ``left``: some row has a pad followed by a real token (left padding, or a gap); ``after``: some row has a real
+    token followed by a pad; ``right_padded``: the rows with a real token followed by a pad that end in a pad;
+    ``wrong``: after a cache, some real new token's given position differs from the mask's (no mask: from the
+    positions after the cache); ``counts_pads``: without a cache, the rows whose given positions count their left
+    padding (``arange`` over the padded width).
+    """
+
+    ids: tuple[int, int] | None
+    types: tuple[int, int] | None
+    positions: tuple[int, int] | None
+    binary: bool
+    left: bool
+    after: bool
+    right_padded: tuple[int, ...]
+    wrong: bool
+    counts_pads: tuple[int, ...]
+
+
+Reader = Callable[[Question], Facts]
+
+
+def reader_for(question: Question) -> Reader:
+    """The reader of a step: on the host where every tensor it reads is in CPU memory, else on the device."""
+    for tensor in (question.input_ids, question.mask, question.positions):
+        if tensor is not None and not tensor.is_cpu:
+            return read_on_device
+    return read_on_host
+
+
+# -- on the host ---------------------------------------------------------------------------------------------------
+
+
+def read_on_host(question: Question) -> Facts:
+    input_ids, _, positions, compare, _, mask, new, past = question
+    rows = mask.tolist() if mask is not None else None
+    left = after = False
+    right: list[int] = []
+    binary = True
+    for index, row in enumerate(rows or ()):
+        ones, zeros = row.count(1), row.count(0)
+        if ones + zeros != len(row):
+            binary = False
+            break
+        if not zeros or not ones:
+            continue
+        if row.index(1) == zeros:  # pads, then real tokens: the usual left padding
+            left = True
+            continue
+        steps = bytes(row) if isinstance(row[0], int) else bytes(map(int, row))
+        left = left or b"\x00\x01" in steps
+        after = True  # a real token before the last pad
+        if not row[-1]:
+            right.append(index)
+    wrong, counts_pads = False, ()
+    if compare and binary:
+        given = positions.tolist()
+        given = [given] if not given or type(given[0]) is not list else given
+        if len(given) == 1:
+            given *= len(rows) if rows is not None else len(input_ids if input_ids is not None else given)
+        if past == 0:
+            counts_pads = tuple(row for row, own in enumerate(given) if rows is not None and _counts_pads(rows[row], own))
+        else:
+            wrong = any(_wrong(rows[row] if rows is not None else None, own, new, past) for row, own in enumerate(given))
+    return Facts(None, None, None, binary, left, after, tuple(right), wrong, counts_pads)
+
+
+def _wrong(row: list[int] | None, own: list[int], new: int, past: int | None) -> bool:
+    """Whether a real new token of a row sits at another position than its mask (or, without one, the cache) says."""
+    if row is None:
+        return past is not None and own != list(range(past, past + new))
+    counted = list(accumulate(row))[-new:]
+    return any(real and given != count - 1 for real, given, count in zip(row[-new:], own, counted))
+
+
+def _counts_pads(row: list[int], own: list[int]) -> bool:
+    """Whether a row with left padding has its real tokens at positions that count the pads (column numbers)."""
+    if not row or row[0] or 1 not in row:
+        return False
+    leading = row.index(1)
+    return all(given == count - 1 + leading for real, given, count in zip(row, own, accumulate(row)) if real)
+
+
+# -- on the device -------------------------------------------------------------------------------------------------
+
+
+def read_on_device(question: Question) -> Facts:
+    input_ids, token_types, positions, compare, range_of_positions, mask, new, past = question
+    parts: list[torch.Tensor] = []
+
+    def add(*tensors: torch.Tensor) -> slice:
+        start = sum(part.shape[0] for part in parts)
+        parts.extend(tensor.reshape(-1).long() for tensor in tensors)
+        return slice(start, start + sum(tensor.numel() for tensor in tensors))
+
+    ids = add(*torch.aminmax(input_ids)) if input_ids is not None else None
+    types = add(*torch.aminmax(token_types)) if token_types is not None else None
+    ranged = add(*torch.aminmax(positions)) if positions is not None and range_of_positions else None
+    binary = steps = last = wrong = counts = None
+    if mask is not None:
+        binary = add(((mask != 0) & (mask != 1)).any())
+        if mask.shape[-1] > 1:  # per row: +1 where a pad is followed by a real token, -1 the other way
+            steps = add(*torch.aminmax(torch.diff(mask.long(), dim=-1), dim=-1))
+            last = add(mask[:, -1])
+    if compare and past != 0:
+        truth = step_truth(mask, new, past, positions)
+        if truth is not None:
+            derived, real = truth
+            wrong = add((real & (positions != derived)).any())
+    elif compare and mask is not None:
+        counts = add(counts_padding(positions, mask))
+    values = torch.cat(parts).tolist() if parts else []  # the one read
+
+    def pair(where: slice | None) -> tuple[int, int] | None:
+        return None if where is None else (values[where][0], values[where][1])
+
+    rows = mask.shape[0] if mask is not None else 0
+    lows, highs = (values[steps][:rows], values[steps][rows:]) if steps is not None else ([], [])
+    ends = values[last] if last is not None else []
+    return Facts(
+        pair(ids),
+        pair(types),
+        pair(ranged),
+        binary is None or not values[binary][0],
+        max(highs, default=0) > 0,
+        min(lows, default=0) < 0,
+        tuple(row for row, (low, end) in enumerate(zip(lows, ends)) if low < 0 and not end),
+        wrong is not None and bool(values[wrong][0]),
+        tuple(row for row, flag in enumerate(values[counts]) if flag) if counts is not None else (),
+    )
+
+
+def step_truth(mask: Any, new: int, past: int | None, like: torch.Tensor) -> tuple[Any, Any] | None:
+    """``(derived, real)`` for comparing given positions after a cache: the mask's positions of the new tokens and
+    which of them are real; without a mask every token is real and positions continue after the cache."""
+    if mask is not None:
+        return mask.long().cumsum(-1)[:, -new:] - 1, mask[:, -new:] != 0
+    if past is None:
+        return None
+    derived = torch.arange(past, past + new, device=like.device).unsqueeze(0)
+    return derived, torch.ones_like(derived, dtype=torch.bool)
+
+
+def counts_padding(positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row, without a cache: whether the row is left-padded and its real tokens' positions count the pads."""
+    cumsum = mask.long().cumsum(-1)
+    real = mask != 0
+    leading = (cumsum == 0).sum(-1, keepdim=True)
+    return ((positions == cumsum - 1 + leading) | ~real).all(-1) & (leading[:, 0] > 0) & real.any(-1)

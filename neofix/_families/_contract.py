@@ -1,0 +1,78 @@
+"""The contract between the family-neutral wrappers and one model family: :class:`Adapter`.
+
+Every family module of this package declares one ``ADAPTER``; the wrappers read a family only through it.  Adding
+a family is one module that declares its :class:`~neofix._families.Family` (in ``__init__``'s registry) and its
+``ADAPTER``; nothing in :mod:`neofix._core` or :mod:`neofix._wrappers` changes.
+
+Imported by the adapters only (torch and transformers are loaded already).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .. import _caches
+from .._core import CacheView, Limits, Positions
+
+from . import Family
+
+
+def no_check(model: Any, cache: CacheView) -> None:
+    """Nothing of the family's own to refuse (its attention has no window the cache could break)."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """How neofix reads one family's forward, config and cache on the installed transformers release.
+
+    Every field is a fact of the family on that release, measured on tiny random models (each family module says
+    where and how); the wrappers decide nothing per family but what these say.
+    """
+
+    #: The declaration: modeling module, base model and causal-LM classes, the attributes neofix replaces.
+    family: Family
+    #: What positions mean to the family (learned table, mask-derived, rotary, none): how alignment treats them.
+    positions: Positions
+    #: ``limits(config)``: the position table's size (``None`` where running past it is no error), vocabulary,
+    #: hidden width, heads and head width, read from the model's config.
+    limits: Callable[[Any], Limits]
+    #: ``layers(model)``: the base model's attention layers, each reading one layer of the cache.
+    layers: Callable[[Any], int]
+    #: ``read_cache(cache, layers)``: what a cache holds (:class:`~neofix._core.CacheView`), from shapes alone.
+    read_cache: Callable[[Any, int], CacheView] = _caches.read
+    #: ``check_step(model, view)``: the family's own refusal of a cache its attention would read wrong (raises).
+    check_step: Callable[[Any, CacheView], None] = no_check
+    #: The forward rejects legacy tuple caches on this release: repair mode wraps them in a ``DynamicCache``.
+    legacy_cache_rejected: bool = False
+    #: The forward reads 1D ``input_ids`` as one row on this release: such a call is passed on untouched.
+    flat_input_ids_accepted: bool = False
+    #: ``explain_overflow(error, config, mask, positions, past)``: for a family whose position limit depends on the
+    #: mask's values (OPT), turns the lookup's ``IndexError`` into :class:`~neofix.SequenceTooLongError` (raises).
+    explain_overflow: Optional[Callable[..., None]] = None
+
+
+def make_limits(*, table: str | None, width: str, heads: str) -> Callable[[Any], Limits]:
+    """``limits(config)`` from the names of the config's attributes: the position table's size (``None``: no table
+    that running past is an error), the hidden width and the head count."""
+
+    def limits(config: Any) -> Limits:
+        count, size = getattr(config, heads), getattr(config, width)
+        return Limits(
+            max_positions=getattr(config, table) if table is not None else None,
+            vocab_size=config.vocab_size,
+            hidden_size=size,
+            heads=count,
+            head_dim=size // count,
+        )
+
+    return limits
+
+
+def make_layers(attribute: str) -> Callable[[Any], int]:
+    """``layers(model)``: the number of attention layers (``model.<attribute>`` is the base model's blocks)."""
+
+    def layers(model: Any) -> int:
+        return len(getattr(model, attribute))
+
+    return layers

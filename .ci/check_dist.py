@@ -5,6 +5,8 @@ Run after .ci/build_dist.py (which builds the wheel from the sdist) and `twine c
 
 The names: the distribution is `transformers-neofix` (`neofix` on the package index is an unrelated project); the
 import name, the console script and the pytest11 entry point are `neofix`.  The license is an SPDX expression.
+Last, the name clash: a stand-in for that unrelated project (a wheel named `neofix` whose import package is `neofix`)
+installed before this wheel in a second clean venv must make `import neofix` and `python -m neofix doctor` say so.
 """
 
 from __future__ import annotations
@@ -44,6 +46,49 @@ except importlib.metadata.PackageNotFoundError:
 else:
     raise AssertionError(f"a distribution named neofix {other.version} is installed: the unrelated project's name")
 """
+
+
+CLASH_ADVICE = "`pip uninstall neofix`, then `pip install --force-reinstall transformers-neofix`"
+
+
+def other_neofix_wheel(folder: Path) -> Path:
+    """A wheel of a distribution named neofix 0.1.0 that installs an import package neofix (tests/test_name_clash.py
+    builds the same)."""
+    info = "neofix-0.1.0.dist-info"
+    files = {
+        "neofix/__init__.py": '__version__ = "0.1.0"\n',
+        "neofix/cli.py": "def main():\n    print('the other neofix')\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: neofix\nVersion: 0.1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / "neofix-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+    return wheel
+
+
+def check_name_clash(wheel: Path, venv: Path) -> None:
+    """The other neofix installed first, then this wheel (--no-deps: nothing here needs torch)."""
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run(["uv", "venv", "--quiet", "--python", sys.executable, str(venv)], check=True)
+    python = venv / "bin" / "python"
+    for package in (other_neofix_wheel(venv.parent / f"{venv.name}-wheel"), wheel):
+        subprocess.run(["uv", "pip", "install", "--quiet", "--no-deps", "--python", str(python), str(package)],
+                       check=True)
+    imported = subprocess.run([str(python), "-W", "always", "-c", "import neofix"], capture_output=True, text=True,
+                              cwd=venv)
+    if imported.returncode or "the unrelated distribution 'neofix' 0.1.0" not in imported.stderr \
+            or CLASH_ADVICE not in imported.stderr:
+        fail(f"import neofix beside the unrelated neofix did not warn as it should:\n{imported.stderr}")
+    doctor = subprocess.run([str(python), "-m", "neofix", "doctor", "--family", "nosuch"], capture_output=True,
+                            text=True, cwd=venv)
+    said = [line for line in doctor.stderr.splitlines() if line.startswith("neofix doctor: WARNING: ")]
+    if doctor.returncode != 2 or not said or CLASH_ADVICE not in said[0]:
+        fail(f"neofix doctor beside the unrelated neofix did not warn as it should:\n{doctor.stderr}")
+    print("name clash: import neofix and neofix doctor warn beside the unrelated neofix, with the repair")
 
 
 def fail(message: str) -> None:
@@ -114,6 +159,7 @@ def main(dist_dir: str, venv_dir: str, constraints: str) -> None:
     if command.returncode or command.stdout.strip() != f"neofix {version}":
         fail(f"the console script: `neofix --version` printed {command.stdout!r} {command.stderr!r}")
     print(f"console script: {command.stdout.strip()}")
+    check_name_clash(wheel, venv.parent / f"{venv.name}-clash")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ claimed version this script
      works and imports neither, and
   4. runs the torch-free tests with `pytest --noconftest` (tests/conftest.py needs torch): the import hook
      (tests/test_import_hook.py), where warnings about NEOFIX_* values point (tests/test_env_warnings.py) and the
-     command's usage errors (tests/test_cli.py).
+     command's usage errors (tests/test_cli.py) and the name-clash check (tests/test_name_clash.py; its slow test,
+     which builds two venvs, runs in the tox envs).
 
 Interpreters are looked up as pyenv installs them, $(pyenv root)/versions/3.X.*/bin/python3.X (the CI machine's
 layout; PYENV_ROOT, else `pyenv root`, else ~/.pyenv).  A claimed version with no interpreter FAILS the check (a
@@ -34,7 +35,9 @@ import zipfile
 from email.parser import HeaderParser
 from pathlib import Path
 
-TORCH_FREE_TESTS = ("tests/test_import_hook.py", "tests/test_env_warnings.py", "tests/test_cli.py")
+TORCH_FREE_TESTS = (
+    "tests/test_import_hook.py", "tests/test_env_warnings.py", "tests/test_cli.py", "tests/test_name_clash.py"
+)
 HEAVY = ("torch", "transformers")
 
 COMPILE_ALL = r"""
@@ -138,7 +141,7 @@ def main(source: Path) -> int:
                              *light], work),
                 ("import", [venv / "bin" / "python", "-c", IMPORT_CHECK], work),
                 ("tests", [venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
-                           "--import-mode=importlib", *TORCH_FREE_TESTS], source),
+                           "--import-mode=importlib", "-m", "not slow", *TORCH_FREE_TESTS], source),
             ]
             for name, command, cwd in steps:
                 done = run(command, cwd=cwd, env=env)

@@ -1,7 +1,7 @@
-"""neofix: GPT-Neo text generation that is correct at every decoding step.
+"""neofix: cached decoding in Hugging Face transformers, correct at every step, for seven decoder families.
 
-``import neofix`` registers a patch on transformers' GPT-Neo (applied when transformers loads GPT-Neo, or at once
-if it already has).  On every forward step the attention mask is made to cover the cached plus the new tokens,
+``import neofix`` registers a patch on transformers' GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT and BLOOM (each
+applied when transformers loads that family's modeling module, or at once if it already has).  On every forward step the attention mask is made to cover the cached plus the new tokens,
 position ids are derived from the mask and advance by one per real token, and the KV cache, mask, positions and
 inputs are validated against each other.  What can be repaired is repaired (with a one-time
 :class:`NeofixWarning`); what cannot raises :class:`NeofixError`, a ``ValueError`` naming the lengths involved.
@@ -82,6 +82,62 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
+def _name_clash(directories: Any = None) -> str | None:
+    """What to do about the unrelated PyPI distribution named ``neofix``, if one is installed here; else ``None``.
+
+    That project installs an import package ``neofix`` too: installed beside transformers-neofix, each overwrites
+    the other's files, and uninstalling either deletes both.  Read from installed metadata only (the
+    ``neofix-VERSION.dist-info`` or ``.egg-info`` folder in the site-packages folders on ``sys.path`` and the folder
+    this package sits in): the other package is never imported, and neither is ``importlib.metadata`` (``import
+    neofix`` must stay cheap).  Never raises.
+    """
+    import os
+    import sys
+
+    try:
+        if directories is None:
+            here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            directories = [here] + [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+        seen = set()
+        for directory in directories:
+            directory = os.path.abspath(directory)
+            if directory in seen:
+                continue
+            seen.add(directory)
+            try:
+                names = os.listdir(directory)
+            except OSError:
+                continue
+            for name in names:
+                lowered = name.lower()
+                if not lowered.endswith((".dist-info", ".egg-info")):
+                    continue
+                stem = lowered.rsplit(".", 1)[0]
+                project, _, version = stem.partition("-")
+                if project.replace(".", "_") != "neofix":
+                    continue
+                version = version.split("-", 1)[0]
+                found = f"'neofix' {version}" if version else "'neofix'"
+                return (
+                    f"neofix: the unrelated distribution {found} is installed in {directory}. It is not "
+                    f"transformers-neofix, but it installs an import package named `neofix` too: each overwrites "
+                    f"the other's files, and uninstalling either deletes files of both. To repair, uninstall it "
+                    f"first, then reinstall this one: `pip uninstall neofix`, then `pip install --force-reinstall "
+                    f"transformers-neofix` (from a checkout: `pip install --force-reinstall .`)"
+                )
+    except Exception:  # a check that cannot run says nothing: importing neofix must never crash a program
+        return None
+    return None
+
+
+def _warn_about_a_name_clash() -> None:
+    clash = _name_clash()
+    if clash is not None:
+        from ._errors import caller_stacklevel
+
+        _warnings.warn(clash, NeofixWarning, stacklevel=caller_stacklevel())  # the user's `import neofix` line
+
+
 def _register() -> None:
     from ._lifecycle import register
 
@@ -95,4 +151,5 @@ def _register() -> None:
         )
 
 
+_warn_about_a_name_clash()
 _register()

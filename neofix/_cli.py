@@ -12,28 +12,42 @@ from typing import Sequence
 from ._version import __version__
 
 DESCRIPTION = """\
-neofix makes GPT-Neo text generation in Hugging Face transformers correct at every decoding step.
+neofix makes cached decoding in Hugging Face transformers correct at every step, for seven
+decoder families: GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT and BLOOM.
 `import neofix` is all a program needs; this command checks an installation."""
 
-DOCTOR_DESCRIPTION = """\
+#: The number of scenarios of the full self-check (tests/test_cli.py compares it with the doctor's list).
+SCENARIO_COUNT = 13
+#: The number of scenarios of each other family's one-line quick self-check (likewise).
+QUICK_COUNT = 8
+
+DOCTOR_DESCRIPTION = f"""\
 Check that neofix works with the torch and transformers installed here.
 
 It prints the Python, torch, transformers and neofix versions, whether this transformers
-release is inside the range neofix is tested against, and each place in GPT-Neo that
-neofix patches, with its state (patched / missing / skipped) and why.
+release is inside the range neofix is tested against, and each place in the seven
+families' modeling code that neofix patches, with its state (patched / missing /
+skipped) and why. It also warns when the unrelated distribution named `neofix` is
+installed here (it shares the import name) and says how to repair that.
 
-Then it runs a self-check on a tiny random GPT-Neo built in memory (nothing is
-downloaded; it takes seconds). Ten decoding scenarios - hand-written loops with a stale
-attention mask, left padding without position_ids, stale position_ids, chunked prefill,
-invalid inputs, and generate() - each run twice: first on vanilla transformers (neofix
-removed with neofix.unpatch()), then with neofix. Every run is compared token for token
-with a full recompute (one forward over the whole sequence, no cache).
+Then it runs a self-check on a tiny random model of one family (--family, default GPT-Neo:
+global and local attention layers, a window shorter than the sequences) built in memory
+(nothing is downloaded; it takes seconds), or on a checkpoint folder (--model). Up to
+{SCENARIO_COUNT} decoding scenarios - hand-written loops with a stale attention mask, left padding
+without position_ids, stale, arange and non-advancing position_ids, a chunked prefill,
+four kinds of invalid input, and generate() (greedy, beam search, past the position table
+with an EOS in time) - each run twice: first on vanilla transformers (neofix removed with
+neofix.unpatch()), then with neofix. Every run is compared token for token with a full
+recompute (one forward over the whole sequence, no cache). Scenarios that do not apply to
+a family are left out (BLOOM takes no position_ids; GPT-J, CodeGen and GPT-NeoX use rotary
+positions, where only their differences matter).
 
 The table shows, per scenario, what vanilla transformers does (an error, "wrong tokens,
 no error", or "correct") and what neofix does ("repaired", "clear error: <the
 NeofixError subclass>", or "correct"), and whether neofix's result is the expected one:
 valid input must give the reference tokens (generate() must also stay token-identical to
-vanilla), invalid input must raise a NeofixError.
+vanilla), invalid input must raise a NeofixError. Without --model, every other family
+then gets a quick self-check of {QUICK_COUNT} scenarios on its own tiny model, one line each.
 
 The process is left as the doctor found it (patch state, settings, warning filters)."""
 
@@ -41,12 +55,15 @@ DOCTOR_EPILOG = """\
 exit status:
   0  every neofix verdict is as expected
   1  at least one is not (the table marks it WRONG)
-  2  usage error: an unknown option, or --model is not a GPT-Neo checkpoint folder
+  2  usage error: an unknown option or family, --model is not a checkpoint folder of the
+     chosen family (no config.json, another model_type, too small, unreadable weights),
+     or this transformers cannot load that family
 
 examples:
   neofix doctor
   neofix doctor --strict
-  neofix doctor --model ./my-gpt-neo --json > doctor.json"""
+  neofix doctor --family gpt2
+  neofix doctor --family gpt_neo --model ./my-gpt-neo --json > doctor.json"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     doctor = commands.add_parser(
         "doctor",
-        help="check this installation: versions, patch state, and what neofix fixes on it",
+        help="check this installation: versions, patch state, and what neofix fixes on it, for every family",
         description=DOCTOR_DESCRIPTION,
         epilog=DOCTOR_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -108,6 +125,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _doctor(args)
 
 
+def name_clash() -> str | None:
+    """What to do about the unrelated distribution named ``neofix``, when installed metadata shows one; else None.
+
+    Read with importlib.metadata, never by importing anything of that package, and independent of
+    ``neofix/__init__.py`` (which that distribution overwrites when it is installed after this one).
+    """
+    try:
+        from importlib import metadata
+
+        for distribution in metadata.distributions():
+            name = (distribution.metadata["Name"] or "").strip().lower().replace("_", "-").replace(".", "-")
+            if name != "neofix":
+                continue
+            where = distribution.locate_file("")
+            return (
+                f"the unrelated distribution 'neofix' {distribution.version} is installed in {where}. It is not "
+                f"transformers-neofix, but it installs an import package named `neofix` too: each overwrites the "
+                f"other's files, and uninstalling either deletes files of both. To repair, uninstall it first, then "
+                f"reinstall this one: `pip uninstall neofix`, then `pip install --force-reinstall transformers-neofix` "
+                f"(from a checkout: `pip install --force-reinstall .`). Until then run `python -m neofix doctor`: "
+                f"the `neofix` command may be the other package's."
+            )
+    except Exception:  # noqa: BLE001 - a check that cannot run says nothing
+        return None
+    return None
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from . import _doctor
     from ._doctor import _report
@@ -115,6 +159,9 @@ def _doctor(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"neofix doctor: {message}", file=sys.stderr, flush=True)
 
+    clash = name_clash()
+    if clash is not None:  # first, before anything that the other package's files may break
+        print(f"neofix doctor: WARNING: {clash}", file=sys.stderr, flush=True)
     try:
         report = _doctor.run(model_path=args.model, strict=args.strict, progress=progress, family=args.family)
     except _doctor.DoctorUsageError as exc:
@@ -123,6 +170,7 @@ def _doctor(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("neofix doctor: interrupted", file=sys.stderr)
         return 130
+    report = report._replace(name_clash=clash)
     print(_report.as_json(report) if args.json else _report.as_table(report), flush=True)
     return report.exit_status
 

@@ -54,3 +54,69 @@ def test_an_unknown_command_lists_the_commands():
     assert done.returncode == 2
     assert done.stderr.startswith("usage: neofix [-h] [--version] COMMAND ...\n"), done.stderr
     assert "invalid choice: 'doctr'" in done.stderr
+
+
+# --- the --help texts say what the commands do (issue 37) ----------------------------------------------------------
+
+
+def test_the_top_level_help_names_every_family():
+    from neofix import _cli
+    from neofix._families import FAMILIES
+
+    done = neofix_command("--help")
+    assert done.returncode == 0, done
+    text = " ".join(done.stdout.split())
+    assert "correct at every step, for seven decoder families" in text
+    assert len(FAMILIES) == 7, "the --help texts, README and docs say seven families"
+    for family in FAMILIES.values():
+        assert family.title in _cli.DESCRIPTION, family.title
+
+
+def test_the_doctors_help_lists_the_families_it_takes():
+    from neofix._families import FAMILIES
+
+    done = neofix_command("doctor", "--help")
+    assert done.returncode == 0, done
+    text = " ".join(done.stdout.split())
+    assert f"one of: {', '.join(FAMILIES)})" in text, text
+    assert "neofix doctor --family gpt2" in done.stdout
+    assert "GPT-Neo checkpoint" not in text and "each place in GPT-Neo" not in text
+
+
+def test_the_doctors_help_counts_its_scenarios():
+    """SCENARIO_COUNT and QUICK_COUNT (in the help) are the doctor's own lists' lengths."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from neofix import _cli, _doctor
+    from neofix._doctor._scenarios import SCENARIOS
+
+    assert _cli.SCENARIO_COUNT == len(SCENARIOS)
+    assert _cli.QUICK_COUNT == len(_doctor.QUICK)
+    text = " ".join(neofix_command("doctor", "--help").stdout.split())
+    assert f"Up to {len(SCENARIOS)} decoding scenarios" in text
+    assert f"quick self-check of {len(_doctor.QUICK)} scenarios" in text
+
+
+def test_an_unknown_family_is_a_usage_error():
+    """Exit status 2, as the help says, before torch is imported (torch-free)."""
+    done = neofix_command("doctor", "--family", "llama")
+    assert done.returncode == 2, done
+    assert "--family llama: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom" in done.stderr
+
+
+def test_a_folder_without_a_checkpoint_is_a_usage_error(tmp_path):
+    done = neofix_command("doctor", "--model", str(tmp_path))
+    assert done.returncode == 2, done
+    assert "no config.json in this folder" in done.stderr
+    done = neofix_command("doctor", "--model", str(tmp_path / "missing"))
+    assert done.returncode == 2 and "holding a checkpoint of the family" in done.stderr, done
+
+
+def test_a_checkpoint_of_another_family_is_a_usage_error(tmp_path):
+    """--model of a GPT-2 checkpoint without --family gpt2: exit 2, naming the option to pass."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=32).save_pretrained(tmp_path)
+    done = neofix_command("doctor", "--model", str(tmp_path))
+    assert done.returncode == 2, done
+    assert "this is a 'gpt2' checkpoint" in done.stderr and "pass --family gpt2 for it" in done.stderr, done.stderr

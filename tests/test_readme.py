@@ -1,4 +1,5 @@
-"""Every Python block in README.md runs on its own, in a fresh interpreter, as a reader who copies one block would.
+"""Every Python block in README.md and in the documentation site's pages (docs/*.md) runs on its own, in a fresh
+interpreter, as a reader who copies one block would.
 
 First lines that change how a block is run:
   ``# downloads ORG/NAME from the Hub ...``   skipped (the suite runs offline); a test checks that exactly the
@@ -6,7 +7,7 @@ First lines that change how a block is run:
   ``# transformers SPECIFIER: ...``           run only on those releases (e.g. ``>= 5.24``)
   ``# test_NAME.py``                          a test file of the reader's project: run under pytest, with neofix's
                                               pytest plugin
-Where the README shows a block's output (a plain fence right after it), the block must print exactly that (its
+Where a page shows a block's output (a plain fence right after it), the block must print exactly that (its
 stdout), or, for a block shown raising, end its traceback with that line.  The outputs were recorded on one
 transformers release (``OUTPUTS_RECORDED_ON``, with the CPU torch of .ci/constraints.txt) and are compared there;
 other releases build other random weights (4.x) or name the cache keyword differently, so there a block must run,
@@ -27,14 +28,18 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-OUTPUTS_RECORDED_ON = "5.24.0"  # transformers; README's outputs were run and pasted on this release
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # the documentation site's pages (mkdocs.yml)
+README_MAX_LINES = 300  # issue 37: read in minutes; the rest lives on the site
+OUTPUTS_RECORDED_ON = "5.24.0"  # transformers; the pages' outputs were run and pasted on this release
 DOWNLOAD = re.compile(r"# downloads (\S+) from the Hub\b")
 RELEASES = re.compile(r"# transformers ([<>=!~][^:]*):")
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 
 
 class Block(NamedTuple):
+    page: str  # relative to the repository root
     line: int  # of the opening fence, 1-based
     language: str
     code: str
@@ -45,7 +50,7 @@ class Block(NamedTuple):
         return self.code.split("\n", 1)[0]
 
 
-def read_blocks(text: str) -> list[Block]:
+def read_blocks(text: str, page: str = "README.md") -> list[Block]:
     fences, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         match = FENCE.match(lines[i])
@@ -69,15 +74,19 @@ def read_blocks(text: str) -> list[Block]:
             between = lines[end : next_start - 1]
             if next_language == "" and not any(line.strip() for line in between):
                 output = next_body
-        blocks.append(Block(start, language, body, output))
+        blocks.append(Block(page, start, language, body, output))
     return blocks
 
 
-BLOCKS = read_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [
+    block
+    for page in PAGES
+    for block in read_blocks(page.read_text(encoding="utf-8"), page.relative_to(ROOT).as_posix())
+]
 
 
 def block_id(block: Block) -> str:
-    return f"README.md:{block.line}"
+    return f"{block.page}:{block.line}"
 
 
 def transformers_version() -> str:
@@ -92,8 +101,22 @@ def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
 
 
-def test_the_readme_has_python_blocks():
-    assert len(BLOCKS) >= 8, [block_id(b) for b in BLOCKS]
+def test_the_pages_have_python_blocks():
+    assert len([b for b in BLOCKS if b.page == "README.md"]) >= 2, [block_id(b) for b in BLOCKS]
+    assert len(BLOCKS) >= 12, [block_id(b) for b in BLOCKS]
+    assert len(PAGES) >= 10, PAGES
+
+
+def test_the_readme_is_short():
+    lines = README.read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move the details to a page of docs/"
+
+
+def test_every_page_is_in_the_sites_navigation():
+    """mkdocs.yml's nav lists every page of docs/ (mkdocs would build a page left out, but nobody would find it)."""
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8").split("\nnav:", 1)[1].split("\n\n", 1)[0]
+    listed = set(re.findall(r":\s*(\S+\.md)\s*$", nav, re.M))
+    assert listed == {page.name for page in PAGES if page != README}, listed
 
 
 def test_exactly_the_blocks_that_load_a_hub_model_say_they_download():
@@ -141,9 +164,9 @@ def test_block_runs_on_its_own(block: Block, tmp_path):
         return
     if raises:
         assert done.returncode != 0 and last == block.output.strip(), (
-            f"{block_id(block)} should raise, ending its traceback with the README's line:\n{done.stderr}"
+            f"{block_id(block)} should raise, ending its traceback with the page's line:\n{done.stderr}"
         )
     else:
         assert done.stdout == block.output, (
-            f"{block_id(block)} prints something else than the README shows:\n{done.stdout}"
+            f"{block_id(block)} prints something else than the page shows:\n{done.stdout}"
         )

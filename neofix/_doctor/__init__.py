@@ -29,7 +29,8 @@ _SMALL_MODEL = 20_000_000  # parameters; below this the self-check runs on one C
 
 
 class DoctorUsageError(Exception):
-    """The doctor cannot run as asked (a ``--model`` path that is not a GPT-Neo checkpoint): exit status 2."""
+    """The doctor cannot run as asked (an unknown family, a ``--model`` path that is not a checkpoint of the family,
+    a family this transformers cannot load): exit status 2."""
 
 
 class Cell(NamedTuple):
@@ -63,6 +64,8 @@ class Report(NamedTuple):
     family: str = "gpt_neo"
     #: the other families' quick self-checks: (family title, its rows), or (title, reason it did not run)
     others: tuple[tuple[str, Any], ...] = ()
+    #: what to do about the unrelated distribution named ``neofix`` installed here (``neofix._cli.name_clash``)
+    name_clash: str | None = None
 
     @property
     def all_right(self) -> bool:
@@ -268,7 +271,7 @@ def _check_model_directory(path: str) -> None:
     directory = Path(path)
     if not directory.exists():
         raise DoctorUsageError(
-            f"--model {path}: no such directory. Pass a folder on this machine holding a GPT-Neo checkpoint "
+            f"--model {path}: no such directory. Pass a folder on this machine holding a checkpoint of the family "
             f"(what model.save_pretrained(folder) writes: config.json and the weights); nothing is downloaded"
         )
     if not directory.is_dir():

@@ -38,6 +38,7 @@ def as_json(report: Any) -> str:
                   "vanilla_wrong": _vanilla_wrong(rows), "wrong": [row.key for row in rows if not row.right]}
             for title, rows in report.others
         ],
+        "name_clash": report.name_clash,
         "all_right": report.all_right,
         "exit_status": report.exit_status,
         "seconds": report.seconds,
@@ -50,6 +51,15 @@ def _vanilla_wrong(rows: Any) -> int:
     return sum(row.vanilla.kind in ("wrong_tokens", "error", "accepted") for row in rows)
 
 
+def _wrapped(text: str, indent: str, width: int = 100) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(
+        text, width=width, initial_indent=indent, subsequent_indent=indent + "  ", break_on_hyphens=False,
+        break_long_words=False,
+    )
+
+
 def _cell(cell: Any) -> dict[str, Any]:
     return {"kind": cell.kind, "text": cell.text, "error_class": cell.error_class, "message": cell.message}
 
@@ -60,7 +70,7 @@ def as_table(report: Any) -> str:
     range_verdict = (
         f"inside the tested range ({report.tested_range})"
         if report.supported
-        else f"OUTSIDE the tested range ({report.tested_range}): neofix leaves GPT-Neo unpatched"
+        else f"OUTSIDE the tested range ({report.tested_range}): neofix leaves every family unpatched"
     )
     arrival = (
         "patched in this process"
@@ -74,6 +84,10 @@ def as_table(report: Any) -> str:
         f"  torch         {v['torch']}",
         f"  transformers  {v['transformers']:<{width}}  {range_verdict}",
         f"  neofix        {v['neofix']:<{width}}  {arrival}",
+    ]
+    if report.name_clash:
+        lines += ["", *_wrapped(f"WARNING: {report.name_clash}", "  ")]
+    lines += [
         "",
         "Patch targets",
     ]

@@ -9,6 +9,7 @@ range, the installed release), in :mod:`neofix._caches` (cache formats) and in e
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -103,6 +104,48 @@ def is_tracing(tensor: Any = None) -> bool:
         or _fx_state._is_fx_tracing_flag  # what _is_fx_tracing() returns once _is_compiling() is False
         or isinstance(tensor, _Proxy)
     )
+
+
+try:  # what torch.fx does to the root's code when the traced forward takes **kwargs (see rebound_by_fx)
+    from torch.fx._symbolic_trace import _patch_function as _fx_patch_function
+except ImportError:  # pragma: no cover - a torch without it cannot rebind a root's code either
+    _fx_patch_function = None
+
+
+def rebound_by_fx(args: Any) -> bool:
+    """Whether torch.fx is tracing a wrapper as its root with the wrapper's code rebound: ``args`` is what the
+    wrapper's ``*args`` holds, a tuple on every ordinary call.
+
+    torch.fx traces a module's ``type(root).forward``.  It reads the parameters off the function ``__wrapped__``
+    leads to (the original, a ``functools.wraps`` wrapper is transparent to it) and, when that original takes
+    ``**kwargs`` or keyword-only parameters (``BloomModel.forward(..., **deprecated_arguments)``; GPT-2, OPT on
+    4.57), compiles the *wrapper's* code again with one positional parameter per original parameter and no
+    ``*args`` / ``**kwargs``.  The wrapper's ``args`` then holds ``input_ids`` (a proxy), ``kwargs`` the next
+    parameter, its other locals the rest: its body runs on nonsense before any tracer check
+    (``TypeError: __bool__ should return bool, returned Tensor``).  A wrapper that takes ``*args`` checks this
+    first and, when true, returns :func:`trace_original_as_root` at once.
+    """
+    return args.__class__ is not tuple
+
+
+def trace_original_as_root(original: Any) -> Any:
+    """Step aside while torch.fx traces the calling wrapper as its root (see :func:`rebound_by_fx`): call the
+    original exactly as torch.fx calls it when it traces the unpatched class, so the graph is vanilla's.
+
+    Reads the values torch.fx bound, by position, to the calling wrapper's first parameters (its frame), and
+    passes them, by position, to the original's code rebound the same way (``**kwargs`` arrives as one
+    positional value, as in vanilla's trace).
+    """
+    frame = sys._getframe(1)
+    try:
+        code = frame.f_code
+        values = frame.f_locals
+        bound = [values[name] for name in code.co_varnames[: code.co_argcount]]
+    finally:
+        del frame
+    if _fx_patch_function is None:  # pragma: no cover
+        return original(*bound)
+    return _fx_patch_function(original, len(bound))(*bound)
 
 
 def positional_names(function: Any) -> tuple[str, ...]:

@@ -222,7 +222,7 @@ def _restore_state(saved: tuple[frozenset[str], bool, set[str], frozenset[str]])
 
 
 def _apply(family: Family, module: Any) -> bool:
-    from . import _compat, _wrappers
+    from . import _compat
 
     version = _compat.transformers_version()
     names = [(target, target_name(family, target)) for target in family.targets]
@@ -240,36 +240,9 @@ def _apply(family: Family, module: Any) -> bool:
     _applied[family.name] = applied
     try:
         for target, name in names:
-            owner = getattr(module, target.owner, None) if target.owner else module
-            if owner is None or not hasattr(owner, target.attribute):
-                where = target.owner or module.__name__
-                reason = f"{where}.{target.attribute} does not exist in transformers {version}"
-                if target.required:
-                    _status[name] = ("missing", reason)
-                    _warn(f"neofix: {reason}; that part of {family.title} is left unpatched")
-                else:
-                    _status[name] = ("skipped", f"not needed: this release has no {where}.{target.attribute}")
-                continue
-            if not target.wrapper:
-                _status[name] = ("skipped", f"not needed on transformers {version}: {target.why}")
-                continue
-            if not _compat.in_range(target.since, target.until):
-                _status[name] = ("skipped", f"not needed on transformers {version}: {target.why or _gate(target)}")
-                continue
-            original = vars(owner).get(target.attribute, _MISSING)
-            # the factory wraps what the class resolves (its own attribute or the inherited one) in a plain function
-            resolved = getattr(owner, target.attribute)
-            factory = getattr(_wrappers, target.wrapper)
-            built = _built.get((family.name, name))
-            if built is not None and built[0] is resolved and built[1] is factory:
-                installed = built[2]
-            else:
-                installed = factory(resolved, adapter)
-                _built[(family.name, name)] = (resolved, factory, installed)
-            setattr(owner, target.attribute, installed)
-            applied.append(_Applied(target, owner, original, installed))
-            inherited = " (inherited; wrapper installed on the class)" if original is _MISSING else ""
-            _status[name] = ("patched", f"transformers {version}{inherited}")
+            installed = _install(family, module, target, name, adapter, version)
+            if installed is not None:
+                applied.append(installed)
     except Exception:
         # never leave a half-applied patch behind
         _restore(_applied.pop(family.name))
@@ -283,6 +256,42 @@ def _apply(family: Family, module: Any) -> bool:
 
         log_steps()
     return True
+
+
+def _install(family: Family, module: Any, target: Any, name: str, adapter: Any, version: str) -> _Applied | None:
+    """Install one target's wrapper (the status says why not, where it is not installed)."""
+    from . import _compat, _wrappers
+
+    owner = getattr(module, target.owner, None) if target.owner else module
+    if owner is None or not hasattr(owner, target.attribute):
+        where = target.owner or module.__name__
+        reason = f"{where}.{target.attribute} does not exist in transformers {version}"
+        if target.required:
+            _status[name] = ("missing", reason)
+            _warn(f"neofix: {reason}; that part of {family.title} is left unpatched")
+        else:
+            _status[name] = ("skipped", f"not needed: this release has no {where}.{target.attribute}")
+        return None
+    if not target.wrapper:
+        _status[name] = ("skipped", f"not needed on transformers {version}: {target.why}")
+        return None
+    if not _compat.in_range(target.since, target.until):
+        _status[name] = ("skipped", f"not needed on transformers {version}: {target.why or _gate(target)}")
+        return None
+    original = vars(owner).get(target.attribute, _MISSING)
+    # the factory wraps what the class resolves (its own attribute or the inherited one) in a plain function
+    resolved = getattr(owner, target.attribute)
+    factory = getattr(_wrappers, target.wrapper)
+    built = _built.get((family.name, name))
+    if built is not None and built[0] is resolved and built[1] is factory:
+        installed = built[2]
+    else:
+        installed = factory(resolved, adapter)
+        _built[(family.name, name)] = (resolved, factory, installed)
+    setattr(owner, target.attribute, installed)
+    inherited = " (inherited; wrapper installed on the class)" if original is _MISSING else ""
+    _status[name] = ("patched", f"transformers {version}{inherited}")
+    return _Applied(target, owner, original, installed)
 
 
 def _gate(target: Target) -> str:

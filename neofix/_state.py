@@ -170,36 +170,7 @@ class DecodeState:
             raise InputShapeError(
                 f"{where}: input_ids has shape {tuple(ids.shape)}; the prompt needs at least one row and one token"
             )
-        if attention_mask is None:
-            mask = torch.ones_like(ids, dtype=torch.long)
-        else:
-            mask = _tensor(attention_mask, "attention_mask", where)
-            if mask.dim() != 2:
-                raise InputShapeError(
-                    f"{where}: attention_mask has shape {tuple(mask.shape)}; expected a 2D (batch, length) mask "
-                    f"like input_ids {tuple(ids.shape)}"
-                )
-            if mask.shape[0] != ids.shape[0]:
-                raise BatchMismatchError(
-                    f"{where}: attention_mask has {mask.shape[0]} rows, but input_ids has {ids.shape[0]}"
-                )
-            if mask.shape[1] != ids.shape[1]:
-                raise MaskLengthError(
-                    f"{where}: attention_mask has {mask.shape[1]} columns, but input_ids has {ids.shape[1]}: pass "
-                    f"the mask of the prompt, one column per token"
-                )
-            if mask.device != ids.device:
-                raise NeofixError(
-                    f"{where}: attention_mask is on {mask.device}, but input_ids is on {ids.device}; move both to "
-                    f"the model's device"
-                )
-            if bool(((mask != 0) & (mask != 1)).any()):  # once, at the start: a cheap synchronisation
-                bad = ((mask != 0) & (mask != 1)).nonzero()[0].tolist()
-                raise NeofixError(
-                    f"{where}: attention_mask[{bad[0]}, {bad[1]}] is {mask[bad[0], bad[1]].item()}; a mask holds 1 "
-                    f"for real tokens and 0 for padding only"
-                )
-            mask = mask.long()
+        mask = torch.ones_like(ids, dtype=torch.long) if attention_mask is None else _prompt_mask(attention_mask, ids)
         self._sequences = ids
         self._mask = mask
         self._cache: Any = None
@@ -383,3 +354,35 @@ class DecodeState:
                 f"{where}: the cache holds {held} tokens, but the state expected {length}: {hint}. Was the output of "
                 f"another step, model or state passed?"
             )
+
+
+def _prompt_mask(attention_mask: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The prompt's mask, checked against its ids (shape, rows, device, values 0 and 1), as long."""
+    where = "DecodeState"
+    mask = _tensor(attention_mask, "attention_mask", where)
+    if mask.dim() != 2:
+        raise InputShapeError(
+            f"{where}: attention_mask has shape {tuple(mask.shape)}; expected a 2D (batch, length) mask "
+            f"like input_ids {tuple(ids.shape)}"
+        )
+    if mask.shape[0] != ids.shape[0]:
+        raise BatchMismatchError(
+            f"{where}: attention_mask has {mask.shape[0]} rows, but input_ids has {ids.shape[0]}"
+        )
+    if mask.shape[1] != ids.shape[1]:
+        raise MaskLengthError(
+            f"{where}: attention_mask has {mask.shape[1]} columns, but input_ids has {ids.shape[1]}: pass "
+            f"the mask of the prompt, one column per token"
+        )
+    if mask.device != ids.device:
+        raise NeofixError(
+            f"{where}: attention_mask is on {mask.device}, but input_ids is on {ids.device}; move both to "
+            f"the model's device"
+        )
+    if bool(((mask != 0) & (mask != 1)).any()):  # once, at the start: a cheap synchronisation
+        bad = ((mask != 0) & (mask != 1)).nonzero()[0].tolist()
+        raise NeofixError(
+            f"{where}: attention_mask[{bad[0]}, {bad[1]}] is {mask[bad[0], bad[1]].item()}; a mask holds 1 "
+            f"for real tokens and 0 for padding only"
+        )
+    return mask.long()

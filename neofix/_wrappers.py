@@ -27,7 +27,15 @@ from typing import Any, Callable
 import torch
 
 from . import _caches, _compat, _reports
-from ._compat import COMPILING, STEPPING_ASIDE, is_tracing, positional_names, tracer
+from ._compat import (
+    COMPILING,
+    STEPPING_ASIDE,
+    is_tracing,
+    positional_names,
+    rebound_by_fx,
+    trace_original_as_root,
+    tracer,
+)
 from ._config import settings
 from ._core import Aligned, CacheView, Limits, Policy, StepInputs, align, derive_positions, explain_index_error
 from ._errors import (
@@ -64,6 +72,10 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if rebound_by_fx(args):  # torch.fx traces this forward as its root, its code rebound: vanilla's graph
+            # (rebinding needs a local name per parameter of the original, up to 16 on transformers 4.57; the
+            # names of _FX_ROOM keep room for them, tests/test_fx_families.py pins it)
+            return trace_original_as_root(original)
         call = {**dict(zip(names, args)), **kwargs}
         input_ids = call.get("input_ids")
         traced = tracer(input_ids if input_ids is not None else call.get("inputs_embeds"))
@@ -85,6 +97,7 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
             if _reports.listeners:
                 _reports.emit(_step_info(self, aligned, view, kwargs.get("attention_mask")))
         return _call(original, self, call, aligned, view, limits, adapter)
+        _a = _b = _c = _d = _e = _f = _g = _h = _i = _j = _k = _l = None  # _FX_ROOM: never runs (see above)
 
     return _mark(forward)
 

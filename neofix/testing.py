@@ -262,19 +262,7 @@ def assert_generation_consistent(
     __tracebackhide__ = True  # pytest shows the caller's line, then this assertion's message
     from ._trace import trace
 
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise ValueError(f"assert_generation_consistent: input_ids must be a (batch, length) tensor, got {shape}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"assert_generation_consistent: max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    for name, greedy in _SAMPLING.items():
-        if name in generate_kwargs and generate_kwargs[name] not in (None, greedy):
-            raise ValueError(
-                f"assert_generation_consistent compares greedy decoding with its reference: {name}="
-                f"{generate_kwargs[name]!r} is not greedy (leave it out)"
-            )
-    if getattr(model, "training", False):
-        raise ValueError("assert_generation_consistent: the model is in training mode (dropout); call model.eval()")
+    _check_greedy_call(model, input_ids, max_new_tokens, generate_kwargs)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
@@ -304,6 +292,31 @@ def assert_generation_consistent(
                 f"not know about?\n{_describe_trace(steps)}"
             )
         return
+    raise AssertionError(_first_difference(model, attention_mask, generated, expected, differs, prompt, eos, steps))
+
+
+def _check_greedy_call(model: Any, input_ids: Any, max_new_tokens: Any, generate_kwargs: dict) -> None:
+    """Refuse a call :func:`assert_generation_consistent` cannot compare with its greedy reference."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"assert_generation_consistent: input_ids must be a (batch, length) tensor, got {shape}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"assert_generation_consistent: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    for name, greedy in _SAMPLING.items():
+        if name in generate_kwargs and generate_kwargs[name] not in (None, greedy):
+            raise ValueError(
+                f"assert_generation_consistent compares greedy decoding with its reference: {name}="
+                f"{generate_kwargs[name]!r} is not greedy (leave it out)"
+            )
+    if getattr(model, "training", False):
+        raise ValueError("assert_generation_consistent: the model is in training mode (dropout); call model.eval()")
+
+
+def _first_difference(
+    model: Any, attention_mask: Any, generated: Any, expected: Any, differs: Any, prompt: int, eos: Any, steps: Any
+) -> str:
+    """The message of a difference: the first diverging step and row, the two tokens, the reference's margin and the
+    forward that produced it."""
     step = int(differs.any(0).nonzero()[0, 0])
     rows = differs[:, step].nonzero()[:, 0].tolist()
     row = rows[0]
@@ -327,7 +340,7 @@ def assert_generation_consistent(
         f"the forward that produced it: {producer}" if producer is not None else "no traced forward produced it"
     )
     lines.append(_describe_trace(steps))
-    raise AssertionError("\n".join(lines))
+    return "\n".join(lines)
 
 
 def _reference_mask(attention_mask: torch.Tensor, row: int, column: int) -> torch.Tensor:

@@ -62,6 +62,8 @@ class Context:
         self.pad = pad if pad is not None else (self.eos if self.eos is not None else 0)
         self.ids, self.mask = left_padded_batch(ROW_LENGTHS, self.vocab_size, self.pad)
         self._references: dict[str, torch.Tensor] = {}
+        #: full recompute near the table's end: (its new tokens, whether EOS came in time), once computed
+        self._near_the_end: tuple[torch.Tensor, bool] | None = None
 
     def reference(self) -> torch.Tensor:
         """The STEPS tokens full recompute gives for the left-padded batch (one forward over everything per step)."""
@@ -261,26 +263,91 @@ def _generate_beam(ctx: Context) -> torch.Tensor:
     return ctx.generate(BEAMS)
 
 
+#: The prompt near the table's end is NEAR_THE_END positions short of it; generate is asked for NEAR_THE_END_NEW new
+#: tokens, more than fit (NEAR_THE_END + 1).
+NEAR_THE_END, NEAR_THE_END_NEW = 6, 10
+
+
 def _near_the_end(ctx: Context) -> tuple[torch.Tensor, int]:
-    """A prompt 6 positions short of the table's end, and an EOS token that ends it after the first new token."""
-    ids = torch.randint(0, ctx.vocab_size, (1, ctx.max_positions - 6), generator=torch.Generator().manual_seed(2))
+    """A prompt 6 positions short of the table's end, and as EOS the first token plain greedy full recompute gives
+    (so generate ends after it, unless the checkpoint's generation settings hold it back)."""
+    ids = torch.randint(
+        0, ctx.vocab_size, (1, ctx.max_positions - NEAR_THE_END), generator=torch.Generator().manual_seed(2)
+    )
     first = reference_greedy(ctx.model, ids, None, 1)[0, -1]
     return ids, int(first)
 
 
 @torch.no_grad()
-def _generate_eos_near_the_end(ctx: Context) -> torch.Tensor:
-    """max_new_tokens past the table, but EOS ends it at once: vanilla completes, so neofix must."""
+def _generate_near_the_end(ctx: Context, **kwargs: Any) -> torch.Tensor:
+    """``generate`` as the scenario calls it (the checkpoint's own generation settings apply): the new tokens."""
     ids, eos = _near_the_end(ctx)
     out = ctx.model.generate(
-        ids, max_new_tokens=10, eos_token_id=eos, pad_token_id=ctx.pad, do_sample=False, num_beams=1
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEAR_THE_END_NEW, eos_token_id=eos,
+        pad_token_id=ctx.pad, do_sample=False, num_beams=1, **kwargs,
     )
     return out[:, ids.shape[1]:]
 
 
+def _generate_eos_near_the_end(ctx: Context) -> torch.Tensor:
+    """max_new_tokens past the table, but EOS ends it in time: vanilla completes, so neofix must."""
+    return _generate_near_the_end(ctx)
+
+
+class _TableEnd:
+    """A stopping criterion: stop before the forward that would pass the position table (the next token's forward
+    covers the whole sequence without a cache, so it fits while the sequence has at most ``size`` tokens)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] > self.size, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+def _eos_near_the_end_outcome(ctx: Context) -> tuple[torch.Tensor, bool]:
+    """What full recompute does on this model: ``(its new tokens, whether EOS came before the table's end)``.
+
+    transformers' own generate with the cache turned off (the checkpoint's generation settings apply, as in the
+    scenario: a ``min_new_tokens``, a repetition penalty, suppressed tokens), on vanilla transformers, stopped before
+    the forward that would pass the table where passing it is an error.  Computed once per context.
+    """
+    if ctx._near_the_end is None:
+        from transformers import StoppingCriteriaList
+
+        from .. import _lifecycle
+
+        bounded = ctx.limit is not None or hasattr(ctx.adapter, "explain_overflow")  # else the model extrapolates
+        extra: dict[str, Any] = {"use_cache": False}
+        if bounded:
+            extra["stopping_criteria"] = StoppingCriteriaList([_TableEnd(ctx.max_positions)])
+        with _lifecycle.unpatched():
+            tokens = _generate_near_the_end(ctx, **extra)
+        _, eos = _near_the_end(ctx)
+        ended = bool((tokens == eos).any(dim=-1).all())
+        ctx._near_the_end = (tokens, ended or not bounded)
+    return ctx._near_the_end
+
+
 def _eos_near_the_end_reference(ctx: Context) -> torch.Tensor:
-    ids, eos = _near_the_end(ctx)
-    return reference_greedy(ctx.model, ids, None, 10, eos_token_id=eos, pad_token_id=ctx.pad)[:, ids.shape[1]:]
+    return _eos_near_the_end_outcome(ctx)[0]
+
+
+def _eos_in_time(scenario: Scenario, ctx: Context) -> Any:
+    """On a model whose full recompute does not reach EOS before the table's end (a checkpoint that does not emit
+    it so soon, or whose generation settings hold it back), generate must run up to the step that would overflow
+    and raise SequenceTooLongError there (the step contract): vanilla fails at that step with a raw error."""
+    try:
+        _, in_time = _eos_near_the_end_outcome(ctx)
+    except Exception:  # noqa: BLE001 - the reference fails: the self-check says so ("no reference")
+        return None
+    if in_time:
+        return None
+    return scenario._replace(
+        title="generate past the table, no EOS in time", reference=None, error=SequenceTooLongError,
+        strict_error=SequenceTooLongError, parity=False,
+    )
 
 
 class Scenario(NamedTuple):
@@ -366,6 +433,6 @@ SCENARIOS = (
     ),
     Scenario(
         "generate_eos_near_the_end", "generate past the table, EOS in time", _generate_eos_near_the_end,
-        _eos_near_the_end_reference, None, None, parity=True,
+        _eos_near_the_end_reference, None, None, parity=True, adapt=_eos_in_time,
     ),
 )

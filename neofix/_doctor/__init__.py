@@ -117,29 +117,13 @@ def run(
         from .. import _compat
 
     chosen = FAMILIES[family]
-    try:
-        with _quiet_imports():
-            importlib.import_module(chosen.module)  # neofix's import hook patches it here, as in a user's program
-    except Exception as exc:
-        raise DoctorUsageError(
-            f"transformers {transformers.__version__} cannot load {chosen.title} ({_one_line(exc)}); "
-            f"reinstall transformers (neofix is tested with {_compat.SUPPORTED_TRANSFORMERS})"
-        ) from exc
-    if others and model_path is None:  # their targets are listed too: loaded now, so the hooks patch them
-        for other in FAMILIES.values():
-            with contextlib.suppress(Exception), _quiet_imports():
-                importlib.import_module(other.module)
+    _load_families(chosen, transformers.__version__, others and model_path is None)
     found_patched = _lifecycle.is_patched()
     with _preserved_state(transformers):
         model, described = _load_model(model_path, progress, family)
-
-        # the patch targets as neofix installs them for its column (``neofix.patched()`` above installed it, also
-        # when it was not installed on arrival)
-        targets = _lifecycle.status()
+        targets = _lifecycle.status()  # as neofix installs them for its column (installed above if it was not)
         patched = _lifecycle.is_patched()
-        _config.configure(mode="strict" if strict else "repair", check_values=False)
-        if sum(p.numel() for p in model.parameters()) < _SMALL_MODEL:
-            torch.set_num_threads(1)  # a tiny model gains nothing from threads; on a busy machine they cost seconds
+        _settle_for_the_check(model, strict)
         from ._scenarios import Context
 
         context = Context(model, chosen.load_adapter())
@@ -150,12 +134,8 @@ def run(
             found = [(other.title, _quick_check(other, patched, strict, progress)) for other in FAMILIES.values()
                      if other is not chosen]
 
-    versions = {
-        "python": platform.python_version(),
-        "torch": str(torch.__version__),
-        "transformers": str(transformers.__version__),
-        "neofix": __version__,
-    }
+    versions = {"python": platform.python_version(), "torch": str(torch.__version__),
+                "transformers": str(transformers.__version__), "neofix": __version__}
     return Report(
         versions=versions,
         tested_range=_compat.SUPPORTED_TRANSFORMERS,
@@ -169,6 +149,36 @@ def run(
         family=family,
         others=tuple(found),
     )
+
+
+
+def _settle_for_the_check(model: Any, strict: bool) -> None:
+    """The doctor's own settings for its column: the mode asked for, no value reads; one thread for a tiny model."""
+    import torch
+
+    _config.configure(mode="strict" if strict else "repair", check_values=False)
+    if sum(p.numel() for p in model.parameters()) < _SMALL_MODEL:
+        torch.set_num_threads(1)  # a tiny model gains nothing from threads; on a busy machine they cost seconds
+
+
+def _load_families(chosen: Any, version: str, others: bool) -> None:
+    """Import the chosen family's modeling module (neofix's import hook patches it there, as in a user's program),
+    and with ``others`` every other family's (their targets are listed too)."""
+    from .. import _compat
+    from .._families import FAMILIES
+
+    try:
+        with _quiet_imports():
+            importlib.import_module(chosen.module)  # neofix's import hook patches it here, as in a user's program
+    except Exception as exc:
+        raise DoctorUsageError(
+            f"transformers {version} cannot load {chosen.title} ({_one_line(exc)}); "
+            f"reinstall transformers (neofix is tested with {_compat.SUPPORTED_TRANSFORMERS})"
+        ) from exc
+    if others:
+        for other in FAMILIES.values():
+            with contextlib.suppress(Exception), _quiet_imports():
+                importlib.import_module(other.module)
 
 
 def _self_check(

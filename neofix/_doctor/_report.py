@@ -65,8 +65,29 @@ def _cell(cell: Any) -> dict[str, Any]:
 
 
 def as_table(report: Any) -> str:
-    v = report.versions
     lines = ["neofix doctor", ""]
+    lines += _versions_lines(report)
+    lines += ["", "Patch targets"]
+    target_width = max(len(t) for t, _, _ in report.targets)
+    for target, state, reason in report.targets:
+        lines.append(f"  {target:<{target_width}}  {state:<9}  {reason}")
+    lines += _model_lines(report)
+    header = ("scenario", f"vanilla transformers {report.versions['transformers']}", f"neofix ({report.mode} mode)", "")
+    body = [
+        (row.title, row.vanilla.text, row.neofix.text, "ok" if row.right else f"WRONG, expected {row.expected}")
+        for row in report.rows
+    ]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(3)]
+    for columns in [header, *body]:
+        lines.append(("  " + "  ".join(f"{c:<{w}}" for c, w in zip(columns, widths)) + "  " + columns[3]).rstrip())
+    lines += _others_lines(report)
+    lines.append("")
+    lines += _summary_lines(report)
+    return "\n".join(lines)
+
+
+def _versions_lines(report: Any) -> list[str]:
+    v = report.versions
     range_verdict = (
         f"inside the tested range ({report.tested_range})"
         if report.supported
@@ -79,7 +100,7 @@ def as_table(report: Any) -> str:
         "put back"
     )
     width = max(len(v[name]) for name in ("python", "torch", "transformers", "neofix"))
-    lines += [
+    lines = [
         f"  Python        {v['python']}",
         f"  torch         {v['torch']}",
         f"  transformers  {v['transformers']:<{width}}  {range_verdict}",
@@ -87,14 +108,10 @@ def as_table(report: Any) -> str:
     ]
     if report.name_clash:
         lines += ["", *_wrapped(f"WARNING: {report.name_clash}", "  ")]
-    lines += [
-        "",
-        "Patch targets",
-    ]
-    target_width = max(len(t) for t, _, _ in report.targets)
-    for target, state, reason in report.targets:
-        lines.append(f"  {target:<{target_width}}  {state:<9}  {reason}")
+    return lines
 
+
+def _model_lines(report: Any) -> list[str]:
     m = report.model
     kinds = m["attention_layers"]
     layers = ", ".join(kinds[:6]) + (", ..." if len(kinds) > 6 else "") if kinds else "?"
@@ -103,7 +120,7 @@ def as_table(report: Any) -> str:
         if m["local_window_crossed"]
         else "the sequences stay inside the local window"
     )
-    lines += [
+    return [
         "",
         f"Self-check on the {m['source']}:",
         f"  {m['layers']} layers ({layers}), local window {m['window_size']}, vocab {m['vocab_size']}, "
@@ -114,41 +131,40 @@ def as_table(report: Any) -> str:
         "  both are compared token for token with a full recompute (no cache, positions from the mask).",
         "",
     ]
-    header = ("scenario", f"vanilla transformers {v['transformers']}", f"neofix ({report.mode} mode)", "")
-    body = [
-        (row.title, row.vanilla.text, row.neofix.text, "ok" if row.right else f"WRONG, expected {row.expected}")
-        for row in report.rows
-    ]
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(3)]
-    for columns in [header, *body]:
-        lines.append(("  " + "  ".join(f"{c:<{w}}" for c, w in zip(columns, widths)) + "  " + columns[3]).rstrip())
-    if report.others:
-        lines += ["", "Other families (quick self-check on each one's tiny random model; --family NAME for the table):"]
-        title_width = max(len(title) for title, _ in report.others)
-        for title, rows in report.others:
-            if isinstance(rows, str):
-                lines.append(f"  {title:<{title_width}}  skipped: {rows}")
-                continue
-            right = sum(row.right for row in rows)
-            wrong = [row.title for row in rows if not row.right]
-            verdict = "ok" if not wrong else "WRONG: " + "; ".join(wrong)
-            lines.append(
-                f"  {title:<{title_width}}  {right} of {len(rows)} neofix verdicts right; vanilla wrong or a raw "
-                f"error in {_vanilla_wrong(rows)}  {verdict}"
-            )
-    lines.append("")
+
+
+def _others_lines(report: Any) -> list[str]:
+    if not report.others:
+        return []
+    lines = ["", "Other families (quick self-check on each one's tiny random model; --family NAME for the table):"]
+    title_width = max(len(title) for title, _ in report.others)
+    for title, rows in report.others:
+        if isinstance(rows, str):
+            lines.append(f"  {title:<{title_width}}  skipped: {rows}")
+            continue
+        right = sum(row.right for row in rows)
+        wrong = [row.title for row in rows if not row.right]
+        verdict = "ok" if not wrong else "WRONG: " + "; ".join(wrong)
+        lines.append(
+            f"  {title:<{title_width}}  {right} of {len(rows)} neofix verdicts right; vanilla wrong or a raw "
+            f"error in {_vanilla_wrong(rows)}  {verdict}"
+        )
+    return lines
+
+
+def _summary_lines(report: Any) -> list[str]:
     rows = list(report.rows) + [row for _, other in report.others if not isinstance(other, str) for row in other]
     right = sum(row.right for row in rows)
     if report.all_right:
-        lines.append(f"All {right} neofix verdicts are right ({report.seconds:.1f} s).")
+        lines = [f"All {right} neofix verdicts are right ({report.seconds:.1f} s)."]
     else:
-        lines.append(
+        lines = [
             f"{len(rows) - right} of {len(rows)} neofix verdicts are WRONG ({report.seconds:.1f} s). "
             f"Please report this with the output of 'neofix doctor --json'."
-        )
+        ]
     if report.mode == "strict":
         lines.append(
             "Strict mode: steps neofix would repair (a stale mask, stale position_ids) must raise a clear error;\n"
             "steps that need no repair (missing position_ids are derived from the mask) must give the reference."
         )
-    return "\n".join(lines)
+    return lines

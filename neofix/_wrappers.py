@@ -86,7 +86,8 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
             _reports.poll()  # position reports of earlier steps, read once their copies have landed (never waiting)
         limits = adapter.limits(self.config)  # read on every call: a model may be edited between calls
         view = _read_cache(self, call, adapter, eager)
-        aligned = align(_step_inputs(call), view, limits, _policy(call, adapter, eager))
+        step = _step_inputs(call)
+        aligned = align(step, view, limits, _policy(call, adapter, eager))
         if aligned is None:  # neither input_ids nor inputs_embeds: transformers raises its own error
             return original(self, **call)
         _apply(aligned, call, takes_positions)
@@ -95,9 +96,9 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
             if aligned.report is not None:
                 _reports.deliver(aligned.report)
             if _reports.listeners:
-                _reports.emit(_step_info(self, aligned, view, kwargs.get("attention_mask")))
+                _reports.emit(_step_info(self, aligned, view, step.attention_mask))
         return _call(original, self, call, aligned, view, limits, adapter)
-        _a = _b = _c = _d = _e = _f = _g = _h = _i = _j = _k = _l = None  # _FX_ROOM: never runs (see above)
+        _a = _b = _c = _d = _e = _f = _g = _h = _i = _j = _k = None  # _FX_ROOM: never runs (see above)
 
     return _mark(forward)
 

@@ -230,6 +230,10 @@ class WrapperSwitch:
 
     The ``generate`` wrapper (one check per call, not per step) stays out.  While switched, ``neofix.is_patched()``
     says False; :meth:`close` leaves GPT-Neo patched again.
+
+    This and :meth:`model_forward` are the benchmarks' one reach into neofix's internals: the family registry
+    (``neofix._families.FAMILIES``: a family's ``module``, ``base_model``, ``load_adapter()`` and ``targets``, each
+    with ``owner``, ``attribute`` and ``wrapper``, the name of its factory in ``neofix._wrappers``).
     """
 
     _MISSING = object()
@@ -239,11 +243,14 @@ class WrapperSwitch:
 
         chosen = FAMILIES[family]
         module = importlib.import_module(chosen.module)
+        self.family = chosen
         self.slots = []
+        self.targets = []
         for target in chosen.targets:
             owner = getattr(module, target.owner, None) if target.owner else module
             if owner is not None and target.attribute != "generate":
                 self.slots.append((owner, target.attribute))
+                self.targets.append(target)
         set_patched(True)
         self.patched = [vars(owner).get(name, self._MISSING) for owner, name in self.slots]
         set_patched(False)
@@ -259,6 +266,20 @@ class WrapperSwitch:
     def close(self) -> None:
         self(False)
         set_patched(True)
+
+    def model_forward(self) -> tuple[Any, Any, Callable[[Any], Any]]:
+        """``(owner, original, wrap)``: the base model class (``GPTNeoModel``), its vanilla ``forward``, and
+        ``wrap(inner)``, which builds neofix's model-forward wrapper around ``inner`` as ``neofix.patch()`` does (the
+        factory the family's target names, given the family's adapter).  ``inner`` should carry ``original``'s
+        signature (``functools.wraps(original)``): the wrapper reads it."""
+        from neofix import _wrappers
+
+        for (owner, name), target, vanilla in zip(self.slots, self.targets, self.vanilla):
+            if name == "forward" and owner.__name__ == self.family.base_model and target.wrapper:
+                factory = getattr(_wrappers, target.wrapper)
+                adapter = self.family.load_adapter()
+                return owner, vanilla, lambda inner: factory(inner, adapter)
+        raise LookupError(f"no forward of {self.family.base_model} among {self.family.name}'s patch targets")
 
 
 def measure_steps(

@@ -154,16 +154,8 @@ class OwnTime:
     noise.  A pass-through wrapper timed the same way gives the floor (the timer and one call), subtracted."""
 
     def __init__(self, switch: WrapperSwitch) -> None:
-        import importlib
-
-        from neofix import _wrappers
-
         self.switch = switch
-        self.owner = next(
-            owner for owner, name in switch.slots if name == "forward" and owner.__name__.endswith("Model")
-        )
-        patched = vars(self.owner)["forward"]
-        original = patched.__wrapped__
+        self.owner, original, wrap = switch.model_forward()  # GPTNeoModel, its forward, neofix's factory
         now = time.perf_counter_ns
         marks = [0, 0]
 
@@ -188,9 +180,8 @@ class OwnTime:
 
             return forward
 
-        adapter = importlib.import_module("neofix._families.gpt_neo")
         self.forwards = {
-            "neofix": timed_around(_wrappers.make_model_forward(shim, adapter)),
+            "neofix": timed_around(wrap(shim)),
             "floor": timed_around(passing),
         }
 

@@ -6,7 +6,8 @@ Run from the repository root with the environment neofix is installed in (needs 
     python benchmarks/bench_instructions.py --models tiny,125m --kinds prefill --calls 2
     python benchmarks/bench_instructions.py --help
 
-The forward kinds (all six) and shapes are those of ``bench_forward.py``.  The script runs itself under
+The forward kinds are the six of ``bench_forward.py`` (and its shapes) and three single-token decode steps after a
+cache of the shape's prompt (see ``DECODE_KINDS``), the hottest call.  The script runs itself under
 ``valgrind --tool=callgrind`` with collection off, and a three-function shim (compiled once with gcc against
 valgrind's headers) switches it on only around what is counted, in two phases over the same calls:
 
@@ -14,7 +15,7 @@ valgrind's headers) switches it on only around what is counted, in two phases ov
              forward's return to the wrapper's exit (the wrapper is rebuilt around a shim of transformers' forward,
              as ``bench_forward.py``'s in-place timer does);
 ``vanilla``  unpatched: the whole timed call (a chunked prefill's second forward; a training step's forward, loss
-             and backward).
+             and backward; a decode step's forward).
 
 Each phase gives instructions (Ir), L1 misses (instruction and data) and last-level misses per call, and
 callgrind's estimate of cycles, ``Ir + 10 x L1 misses + 100 x LL misses``.  ``1 + own / vanilla`` (in estimated
@@ -30,7 +31,6 @@ import contextlib
 import ctypes
 import functools
 import glob
-import importlib
 import os
 import re
 import shutil
@@ -50,7 +50,18 @@ void neofix_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
 void neofix_start(void) { CALLGRIND_START_INSTRUMENTATION; }
 """
 TARGETS = {"tiny": 1.02, "125m": 1.005}
-KINDS = ("prefill", "chunked prefill", "training step", "classification", "prefill+positions", "chunk+positions")
+KINDS = (
+    "prefill", "chunked prefill", "training step", "classification", "prefill+positions", "chunk+positions",
+    "decode", "decode loop", "decode loop+positions",
+)
+#: one single-token step after a cache of the shape's prompt (the prompt's forward, uncounted, comes first each call):
+#: ``decode``                 generate's: ``model.generate(max_new_tokens=2)``, only its second forward counted, so
+#:                            the step is exactly what generate makes of it (the positions it builds from the mask,
+#:                            the 2D mask one column longer, the cache object it keeps, the keyword it uses);
+#: ``decode loop``            a hand loop's: ``model(input_ids=(B, 1), attention_mask=<cache + 1 columns>, cache)``,
+#:                            no positions (neofix derives them on left-padded rows);
+#: ``decode loop+positions``  the same given the mask's positions of the new token (a careful loop).
+DECODE_KINDS = ("decode", "decode loop", "decode loop+positions")
 
 
 def build_shim(folder: Path) -> Path:
@@ -72,14 +83,11 @@ def inner(args: argparse.Namespace) -> None:
     from bench_decode import WrapperSwitch
     from bench_forward import SHAPES, build_model, classifier_of, inputs
 
-    from neofix import _wrappers
-
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     cg = ctypes.CDLL(os.environ["NEOFIX_CALLGRIND_SHIM"])
     switch = WrapperSwitch()
-    owner = next(owner for owner, name in switch.slots if name == "forward" and owner.__name__.endswith("Model"))
-    original = vars(owner)["forward"].__wrapped__
+    owner, original, wrap = switch.model_forward()  # GPTNeoModel, its forward, neofix's factory (as patch() calls it)
     state = {"armed": False, "own": False}
 
     @functools.wraps(original)  # the wrapper reads the original's signature through it
@@ -92,7 +100,7 @@ def inner(args: argparse.Namespace) -> None:
         finally:
             cg.neofix_toggle()
 
-    wrapped = _wrappers.make_model_forward(shim, importlib.import_module("neofix._families.gpt_neo"))
+    wrapped = wrap(shim)
 
     def counted_wrapper(model: Any, *a: Any, **k: Any) -> Any:
         if not state["armed"]:
@@ -105,25 +113,68 @@ def inner(args: argparse.Namespace) -> None:
             cg.neofix_toggle()
             state["own"] = False
 
-    @contextlib.contextmanager
-    def counted(phase: str) -> Iterator[None]:
+    def begin(phase: str) -> None:
         if phase == "own":
             state["armed"] = True
-            try:
-                yield
-            finally:
-                state["armed"] = False
-        elif phase != "vanilla":  # a warm-up call: nothing counted
-            yield
-        else:
+        elif phase == "vanilla":
             cg.neofix_toggle()
-            try:
-                yield
-            finally:
-                cg.neofix_toggle()
+        # else a warm-up call: nothing counted
+
+    def end(phase: str) -> None:
+        if phase == "own":
+            state["armed"] = False
+        elif phase == "vanilla":
+            cg.neofix_toggle()
+
+    @contextlib.contextmanager
+    def counted(phase: str) -> Iterator[None]:
+        begin(phase)
+        try:
+            yield
+        finally:
+            end(phase)
 
     def call_of(kind: str, model: Any, classifier: Any, ids: Any, mask: Any) -> Callable[[str], None]:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # the caller's, as in bench_forward.py
+        keyword = "cache" if "cache" in original.__code__.co_varnames else "past_key_values"
+        if kind == "decode":
+            def call(phase: str) -> None:
+                forwards = [0]
+
+                def enter(*_: Any) -> None:  # a forward pre-hook on the causal LM: the second forward is the step
+                    forwards[0] += 1
+                    if forwards[0] == 2:
+                        begin(phase)
+
+                def leave(*_: Any) -> None:
+                    if forwards[0] == 2:
+                        end(phase)
+
+                hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+                try:
+                    with torch.no_grad():
+                        model.generate(
+                            input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                            num_beams=1, pad_token_id=model.config.pad_token_id,
+                        )
+                finally:
+                    for hook in hooks:
+                        hook.remove()
+                assert forwards[0] == 2, f"generate ran {forwards[0]} forwards, expected the prompt's and one step"
+            return call
+        if kind in ("decode loop", "decode loop+positions"):
+            new = ids[:, -1:]  # any token will do: the cost does not depend on its value
+            step_mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+            step_positions = (step_mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+            step_given = {"position_ids": step_positions} if kind == "decode loop+positions" else {}
+
+            def call(phase: str) -> None:
+                with torch.no_grad():
+                    first = model(input_ids=ids, attention_mask=mask, use_cache=True)
+                    cache = first["cache"] if "cache" in first.keys() else first["past_key_values"]
+                    with counted(phase):
+                        model(input_ids=new, attention_mask=step_mask, use_cache=True, **{keyword: cache}, **step_given)
+            return call
         if kind in ("prefill", "prefill+positions"):
             given = {"position_ids": positions} if kind == "prefill+positions" else {}
 
@@ -132,7 +183,6 @@ def inner(args: argparse.Namespace) -> None:
                     model(input_ids=ids, attention_mask=mask, use_cache=True, **given)
         elif kind in ("chunked prefill", "chunk+positions"):
             half = ids.shape[1] // 2
-            keyword = "cache" if "cache" in original.__code__.co_varnames else "past_key_values"
             given = kind == "chunk+positions"
             start_given = {"position_ids": positions[:, :half]} if given else {}
             given_after = {"position_ids": positions[:, half:]} if given else {}
@@ -255,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
     header = (
-        f"{'kind':18} {'model':5} {'shape':>6} {'padding':>11}  {'own Ir':>8} {'L1 miss':>7} {'own cycles':>10}  "
+        f"{'kind':21} {'model':5} {'shape':>6} {'padding':>11}  {'own Ir':>8} {'L1 miss':>7} {'own cycles':>10}  "
         f"{'vanilla cycles':>14}  {'1+own/vanilla':>13}  target"
     )
     print(header)
@@ -270,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "PASS" if ratio <= TARGETS[name] else "MISS"
             compared = f"{vanilla['cycles'] / 1e6:13.2f}M  {ratio:13.4f}  {verdict} <= {TARGETS[name]}"
         print(
-            f"{kind:18} {name:5} {shape:>6} {'left-padded' if padded == '1' else 'unpadded':>11}  "
+            f"{kind:21} {name:5} {shape:>6} {'left-padded' if padded == '1' else 'unpadded':>11}  "
             f"{own['ir'] / 1e3:7.1f}k {own['l1']:7.0f} {own['cycles'] / 1e3:9.1f}k  {compared}"
         )
     return 0

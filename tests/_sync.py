@@ -123,13 +123,14 @@ class _LandsAtNextPoll:
 
 @contextlib.contextmanager
 def simulated_accelerator() -> Iterator[None]:
-    """Make neofix treat CPU tensors as accelerator tensors for its non-blocking position reports (a copy that
-    lands at the next poll)."""
+    """Make neofix treat CPU tensors as accelerator tensors: values read by the device reader, and position reports
+    copied without blocking (a copy that lands at the next poll)."""
     saved = _reports.in_host_memory, _reports._event
     _reports.in_host_memory = lambda tensor: False
     _reports._event = lambda device: _LandsAtNextPoll()
     try:
-        yield
+        with device_reads():
+            yield
     finally:
         _reports.in_host_memory, _reports._event = saved
         _reports.clear_pending()

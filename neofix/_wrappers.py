@@ -138,7 +138,8 @@ def _policy(call: dict, adapter: Adapter, eager: bool) -> Policy:
     return Policy(
         strict=settings.strict,
         check_values=settings.check_values and eager,
-        trusted_positions=given is not None and _is_trusted(given),
+        # (not under torch.compile: the lookup by id() would break the graph, and compiled steps read nothing)
+        trusted_positions=eager and given is not None and _is_trusted(given),
         compiling=not eager,
         uncached_positions=settings.uncached_positions,
         positions=adapter.positions,

@@ -25,7 +25,7 @@ import transformers
 import neofix
 from neofix.testing import FAMILY_CONFIGS, tiny_gpt_neo, tiny_model
 
-from ._versions import TF, cache_keyword, output_cache
+from ._versions import TF, cache_keyword, has, output_cache
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import assume, example, given, note, settings  # noqa: E402
@@ -182,6 +182,8 @@ def test_chunks_after_a_cache_match_one_forward_over_seeded_masks(dtype):
     """64 seeded batches of 4 rows: a prefix of 2 - 7 tokens, then a chunk of 2 - 4, a random 0/1 mask (first column
     1, zeros as likely as ones): every chunk token, pads included, gets what it gets in one forward without a cache,
     wherever vanilla's cached and uncached forwards agree (checked first, per batch)."""
+    if dtype == torch.float64 and has("float64 mask bug"):
+        pytest.skip("vanilla transformers 4.36 - 4.44 cannot run a float64 GPT-Neo (its causal-mask helper overflows)")
     model = tiny_gpt_neo(seed=0, dtype=dtype)
     failures, compared = [], 0
     for seed in range(64):

@@ -1,0 +1,304 @@
+"""Tests written for the mutants of the core (``neofix/_core``) that the rest of the suite let survive.
+
+Each test pins one rule of the core that no other test checked (benchmarks/MUTATION.md lists the mutants, and which
+test kills which).  They call the core directly, on CPU tensors, so they run in milliseconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neofix._core import CacheView, Limits, Policy, StepInputs, align, explain_index_error
+from neofix._core._reads import Question, read_on_device, read_on_host
+
+LIMITS = Limits(max_positions=64, vocab_size=96, hidden_size=32, heads=4, head_dim=8)
+
+
+def _cache(past: int, batch: int = 1) -> CacheView:
+    return CacheView(past, batch, (past, past), None, None, None, "object")
+
+
+def _step(new: int, mask=None, positions=None, batch: int = 1) -> StepInputs:
+    return StepInputs(torch.ones(batch, new, dtype=torch.long), None, mask, positions)
+
+
+# -- inside torch.compile: the positions an eager step ends with, from the device alone ------------------------------
+
+
+@pytest.mark.parametrize(
+    "past, new, mask, positions, expected",
+    [
+        (3, 1, [[0, 1, 1, 1]], [[9]], [[2]]),  # a decode step at a wrong position: the mask's
+        (3, 2, [[0, 1, 1, 1, 1]], [[7, 8]], [[2, 3]]),  # a chunk at wrong positions
+        (1, 1, [[1, 1]], [[5]], [[1]]),  # after one cached token
+        (3, 2, None, [[0, 0]], [[3, 4]]),  # no mask: every token real, positions continue after the cache
+        (3, 2, None, [[3, 4]], [[3, 4]]),  # right ones kept
+        (2, 1, [[0, 1, 1]], None, [[1]]),  # none given: derived from the mask
+        (2, 2, [[1, 0, 1, 1]], None, [[1, 2]]),
+    ],
+)
+def test_compiling_ends_with_the_eager_positions(past, new, mask, positions, expected):
+    """``Policy(compiling=True)`` (inside ``torch.compile``: nothing read, nothing reported) gives a cached step the
+    positions the eager step ends with: wrong given ones repaired from the mask (or the cache), missing ones derived."""
+    mask = None if mask is None else torch.tensor(mask)
+    positions = None if positions is None else torch.tensor(positions)
+    step = _step(new, mask, positions)
+    eager = align(step, _cache(past), LIMITS, Policy())
+    compiled = align(step, _cache(past), LIMITS, Policy(compiling=True))
+    assert compiled.repairs == () and not compiled.values_checked
+    assert compiled.position_ids.tolist() == expected
+    if eager.position_ids is not None:
+        assert torch.equal(compiled.position_ids, eager.position_ids)
+
+
+# -- the readers on questions the property rarely draws --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "question",
+    [
+        # no mask, after a cache: a given position that does not continue the cache is wrong
+        Question(torch.ones(1, 2, dtype=torch.long), None, torch.tensor([[0, 1]]), True, True, None, 2, 3),
+        Question(torch.ones(2, 1, dtype=torch.long), None, torch.tensor([[4]]), True, True, None, 1, 4),
+        Question(torch.ones(1, 2, dtype=torch.long), None, torch.tensor([[3, 4]]), True, True, None, 2, 3),
+        # inputs_embeds (no input_ids), no mask, nothing given: nothing to read at all
+        Question(None, None, None, False, False, None, 2, 0),
+        Question(None, None, None, False, False, torch.tensor([[0, 1, 1]]), 3, 0),
+        # inputs_embeds, a mask of two rows, one row of positions for both: row 1's is wrong
+        Question(None, None, torch.tensor([[2, 3]]), True, True, torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]), 2, 2),
+    ],
+)
+def test_the_readers_read_alike_without_a_mask_or_ids(question):
+    host, device = read_on_host(question), read_on_device(question)
+    assert host._replace(positions=None) == device._replace(ids=None, types=None, positions=None)
+    assert device.ids is None if question.input_ids is None else device.ids == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "question",
+    [
+        Question(torch.ones(1, 2, dtype=torch.long), None, torch.tensor([[0, 1]]), True, True, None, 2, 3),
+        Question(None, None, torch.tensor([[2, 3]]), True, True, torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]), 2, 2),
+    ],
+)
+def test_a_wrong_position_is_read_as_wrong_by_both_readers(question):
+    """Without a mask (positions continue the cache), and with one row of positions shared by every mask row of a
+    step given ``inputs_embeds`` (each mask row is compared)."""
+    assert read_on_host(question).wrong and read_on_device(question).wrong
+
+
+def test_the_device_reader_reads_no_position_range_unless_asked():
+    """A family without a position table (``range_of_positions`` False) gets no range read: the rules would compare
+    it with a table size of ``None``."""
+    positions = torch.tensor([[0, 1]])
+    question = Question(torch.ones(1, 2, dtype=torch.long), None, positions, True, False, torch.ones(1, 2), 2, 0)
+    assert read_on_device(question).positions is None
+    asked = question._replace(range_of_positions=True)
+    assert read_on_device(asked).positions == (0, 1)
+
+
+def test_a_rotary_family_without_a_position_table_checks_values_on_the_device():
+    from neofix._core import Positions
+
+    from ._sync import device_reads
+
+    limits = LIMITS._replace(max_positions=None)
+    step = _step(2, torch.ones(1, 2, dtype=torch.long), torch.tensor([[0, 1]]))
+    with device_reads(True):
+        aligned = align(step, _cache(0), limits, Policy(check_values=True, positions=Positions.ROTARY))
+    assert aligned.position_ids.tolist() == [[0, 1]] and aligned.values_checked
+
+
+# -- positions repaired after a cache without a mask -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_stale_values_of_a_chunk_without_a_mask_continue_the_cache(on_device):
+    """No mask, 3 cached tokens, a chunk of 2 given at positions 0 and 1: repaired to 3 and 4, shape (1, 2)."""
+    from ._sync import device_reads
+
+    with device_reads(on_device):
+        aligned = align(_step(2, None, torch.tensor([[0, 1]])), _cache(3), LIMITS, Policy())
+    assert aligned.position_ids.shape == (1, 2) and aligned.position_ids.tolist() == [[3, 4]]
+    assert aligned.repair_kinds == ("position_values_repaired",)
+
+
+# -- the model's own 3D mask ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dims", [3, 4])
+def test_a_model_mask_of_the_steps_shape_is_used_as_given(dims):
+    """A 3D (batch, queries, keys) or 4D (batch, heads, queries, keys) mask with one query row per new token and one
+    key column per cached and new token is taken as it is; its query rows are the second-to-last dimension."""
+    shape = (1, 2, 5) if dims == 3 else (1, 1, 2, 5)
+    mask = torch.zeros(shape)
+    aligned = align(_step(2, mask), _cache(3), LIMITS, Policy())
+    assert aligned.attention_mask is mask and aligned.repairs == ()
+
+
+# -- words ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_mask_of_one_column_is_named_in_the_singular():
+    aligned = align(_step(1, torch.ones(1, 1, dtype=torch.long)), _cache(1), LIMITS, Policy())
+    repair = aligned.repairs[0]
+    assert repair.kind == "mask_extended"
+    expected = "attention_mask has 1 column, but the cache holds 1 token and this step feeds 1: expected 2"
+    assert expected in repair.message
+
+
+# -- an IndexError that no value explains -----------------------------------------------------------------------------
+
+
+def test_an_index_error_without_positions_is_left_to_the_caller():
+    """Every id in range and no positions given: nothing to name, the caller re-raises the ``IndexError``."""
+    cause = IndexError("index out of range in self")
+    assert explain_index_error(cause, LIMITS, torch.tensor([[1, 2]]), None, None) is None
+    assert explain_index_error(cause, LIMITS, torch.tensor([[1, 2]]), torch.tensor([[0, 3]]), None) is None
+
+
+def test_a_longer_all_ones_mask_is_sliced_as_a_named_silent_repair():
+    """A mask of more columns than cached plus new tokens, all ones (every reading agrees): sliced to its first
+    ``p + q`` columns, recorded as ``mask_sliced`` (what traces list), with no warning."""
+    mask = torch.ones(1, 5, dtype=torch.long)
+    aligned = align(_step(1, mask), _cache(2), LIMITS, Policy())
+    assert aligned.attention_mask.shape == (1, 3)
+    assert aligned.repairs[0].kind == "mask_sliced" and not aligned.repairs[0].message
+
+
+# -- token types and cache positions ---------------------------------------------------------------------------------
+
+
+def test_token_types_of_another_length_are_refused_by_their_count_in_1d_and_2d():
+    import neofix
+
+    for token_types in (torch.zeros(3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long)):
+        step = _step(2)._replace(token_type_ids=token_types)
+        with pytest.raises(neofix.InputShapeError, match=r"token_type_ids has 3 columns, but this step feeds 2 new"):
+            align(step, _cache(4), LIMITS, Policy())
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_cache_position_of_the_new_tokens_is_kept_and_another_is_left_out(strict):
+    import neofix
+
+    right = torch.arange(3, 5)
+    aligned = align(_step(2)._replace(cache_position=right), _cache(3), LIMITS, Policy(strict=strict))
+    assert aligned.cache_position is right and "cache_position_dropped" not in aligned.repair_kinds
+    stale = _step(2)._replace(cache_position=torch.arange(0, 5))
+    if strict:
+        with pytest.raises(neofix.PositionError, match="cache_position has 5 entries, but this step feeds 2 new"):
+            align(stale, _cache(3), LIMITS, Policy(strict=True))
+        return
+    aligned = align(stale, _cache(3), LIMITS, Policy())
+    assert aligned.cache_position is None
+    (dropped,) = [repair for repair in aligned.repairs if repair.kind == "cache_position_dropped"]
+    assert dropped.message == (
+        "neofix: cache_position has 5 entries, but this step feeds 2 new tokens; left it out. Reported once."
+    )
+
+
+# -- more rules no other test pinned -------------------------------------------------------------------------------
+
+
+def test_trusted_positions_are_still_compared_at_a_prefill():
+    """``trusted_positions`` (built by generate) skips the comparison on cached steps only: a prefill's positions
+    that count the left padding are repaired even so."""
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    counted = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    aligned = align(_step(3, mask, counted, batch=2), _cache(0, 2), LIMITS, Policy(trusted_positions=True))
+    assert aligned.repair_kinds == ("positions_count_padding",)
+    assert aligned.position_ids.tolist() == [[0, 1, 2], [0, 0, 1]]
+
+
+@pytest.mark.parametrize(
+    "name, values, error",
+    [("token_type_ids", [[-1, 5]], "TokenIdError"), ("position_ids", [[-1, 0]], "PositionError")],
+)
+def test_the_device_reader_checks_the_smallest_value_too(name, values, error):
+    """On an accelerator every value is checked from its (min, max): a negative smallest value is refused even when
+    the largest is in range."""
+    import neofix
+
+    from ._sync import device_reads
+
+    step = _step(2, torch.ones(1, 2, dtype=torch.long))._replace(**{name: torch.tensor(values)})
+    with device_reads(True), pytest.raises(getattr(neofix, error), match=rf"{name}\[0, 0\] is -1"):
+        align(step, _cache(0), LIMITS, Policy(check_values=True))
+
+
+@pytest.mark.parametrize("new, mask, cache_position, expected", [
+    (3, [[1, 1, 1, 1, 1, 0, 1, 1]], [5, 6, 7], [[5, 5, 6]]),  # a chunk whose first token is a pad
+    (1, [[1, 1, 1, 0]], [3], [[3]]),  # a decode step feeding a pad
+])
+def test_a_pad_keeps_the_cache_position_transformers_gives_it(new, mask, cache_position, expected):
+    """A static cache (its length not known without a read): real tokens get the mask's positions, a pad the
+    ``cache_position`` transformers passes."""
+    step = _step(new, torch.tensor(mask))._replace(cache_position=torch.tensor(cache_position))
+    view = CacheView(None, 1, None, 16, None, None, "static")
+    aligned = align(step, view, LIMITS, Policy())
+    assert aligned.position_ids.tolist() == expected
+
+
+def test_stale_positions_with_a_4d_mask_are_refused():
+    import neofix
+
+    step = _step(2, torch.zeros(1, 1, 2, 5), torch.tensor([[0, 1, 2]]))
+    with pytest.raises(neofix.PositionError, match="with a 3D or 4D attention mask neofix cannot tell"):
+        align(step, _cache(3), LIMITS, Policy())
+
+
+def test_the_families_kind_of_positions_decides_what_stale_ones_get():
+    """Stale positions (neither the new tokens' nor cached plus new): rotary ones refused, a family without positions
+    left alone, a family that derives them from its mask left to the model (no mask given), an absolute one with a
+    static cache's mask derived from the mask."""
+    import neofix
+    from neofix._core import Positions
+
+    stale = torch.tensor([[0, 1, 2]])
+    with pytest.raises(neofix.PositionError, match="with rotary positions"):
+        align(_step(2, None, stale), _cache(3), LIMITS, Policy(positions=Positions.ROTARY))
+    aligned = align(_step(2, None, stale), _cache(3), LIMITS, Policy(positions=Positions.NONE))
+    assert aligned.position_ids is stale and aligned.repairs == ()
+    aligned = align(_step(2, None, stale), _cache(3), LIMITS, Policy(positions=Positions.MASK))
+    assert aligned.position_ids is None and aligned.repair_kinds == ("positions_rederived",)
+    static = CacheView(None, 1, None, 16, None, None, "static")
+    aligned = align(_step(2, torch.tensor([[0, 1, 1, 1]]), stale), static, LIMITS, Policy())
+    assert aligned.position_ids.tolist() == [[1, 2]] and aligned.repair_kinds[0] == "positions_rederived"
+
+
+@pytest.mark.parametrize("heads, head_dim", [(4, 4), (2, 8)])
+def test_a_cache_of_another_head_width_or_count_is_refused(heads, head_dim):
+    import neofix
+
+    view = CacheView(3, 1, (3, 3), None, heads, head_dim, "object")
+    with pytest.raises(neofix.InputShapeError, match=f"keys of {heads} heads of width {head_dim}, but this model"):
+        align(_step(1, torch.ones(1, 4, dtype=torch.long)), view, LIMITS, Policy())
+
+
+def test_only_a_prefill_reports_its_right_padded_rows():
+    """A row ending in a pad after a real token is right padding at a prefill (decoding from it is then said); a
+    chunk after a cache ending so marks nothing."""
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert align(_step(4, mask), _cache(0), LIMITS, Policy()).right_padded == (0,)
+    assert align(_step(2, mask), _cache(2), LIMITS, Policy()).right_padded == ()
+
+
+def test_only_positions_looked_up_in_a_table_are_compared_with_the_mask():
+    """``Positions.compared``: absolute (GPT-Neo) and mask-derived (OPT) positions are compared and repaired; rotary
+    ones (transformers' own count the padding, as right as the mask's) and a family without positions are not."""
+    from neofix._core import Positions
+
+    assert [kind for kind in Positions if kind.compared] == [Positions.ABSOLUTE, Positions.MASK]
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    counted = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    repaired = ("positions_count_padding",)
+    for kind, kinds in [(Positions.ABSOLUTE, repaired), (Positions.MASK, repaired), (Positions.ROTARY, ()),
+                        (Positions.NONE, ())]:
+        aligned = align(_step(3, mask, counted, batch=2), _cache(0, 2), LIMITS, Policy(positions=kind))
+        assert aligned.repair_kinds == kinds, kind
+    wrong = torch.tensor([[0]])
+    for kind, expected in [(Positions.MASK, [[1]]), (Positions.ROTARY, [[0]])]:
+        aligned = align(_step(1, torch.tensor([[0, 1, 1]]), wrong), _cache(2), LIMITS, Policy(positions=kind))
+        assert aligned.position_ids.tolist() == expected, kind

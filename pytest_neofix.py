@@ -1,12 +1,12 @@
-"""pytest plugin of neofix (entry point ``pytest11: neofix``): guard your own GPT-Neo decoding in CI.
+"""pytest plugin of neofix (entry point ``pytest11: neofix``): guard your own decoding (any family neofix patches) in CI.
 
 Loaded automatically when neofix is installed; disable with ``pytest -p no:neofix``.  It provides the
 ``gpt_neo_tiny`` and ``tiny_model`` fixtures; the assertions to use with it live in :mod:`neofix.testing`
 (``assert_generation_consistent``, ``assert_steps_aligned``).
 
 This module lives outside the ``neofix`` package on purpose: loading the plugin imports neither neofix nor torch
-nor transformers, so a test session in which nothing asks for neofix runs GPT-Neo exactly as it would without
-neofix installed.  The fixture imports :mod:`neofix.testing` (and so patches GPT-Neo) when a test first uses it.
+nor transformers, so a test session in which nothing asks for neofix runs every model exactly as it would without
+neofix installed.  The fixtures import :mod:`neofix.testing` (and so patch the families) when a test first uses one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``neofix.DecodeState``: the bookkeeping of a hand-written GPT-Neo decoding loop, in one object.
+"""``neofix.DecodeState``: the bookkeeping of a hand-written decoding loop (GPT-Neo, or any family given
+``model=``), in one object.
 
 A decoding loop has to move four things together at every step: the tokens fed (only the uncached ones), the
 attention mask (cached plus new tokens), the position ids (from the mask, so left padding is honoured) and the
@@ -145,8 +146,8 @@ class DecodeState:
 
     * :meth:`model_inputs` returns the keyword arguments of the next forward: the tokens the cache does not hold
       yet, the mask over cached plus new tokens, their positions (``cumsum(mask) - 1``, pads at 0; not for a model
-      that takes none, such as BLOOM), the cache under the keyword the model takes (``cache`` on recent 5.x releases,
-      ``past_key_values`` before) and ``use_cache=True``.
+      that takes none, such as BLOOM), the cache under the keyword the model takes (GPT-Neo: ``cache`` from transformers
+      5.24, ``past_key_values`` before) and ``use_cache=True``.
     * :meth:`advance` appends one token per row and takes the cache the forward returned.
     * :meth:`reorder` selects rows (beam search).  :meth:`check` validates a cache against the state.
 

@@ -1,6 +1,6 @@
-"""Step traces: what every GPT-Neo forward was given and what neofix made of it.
+"""Step traces: what every forward of a patched model (any of the seven families) was given and what neofix made of it.
 
-``with neofix.trace(model) as steps:`` records one :class:`Step` per forward of that model's ``GPTNeoModel``;
+``with neofix.trace(model) as steps:`` records one :class:`Step` per forward of that model's base model (``GPTNeoModel``, ``GPT2Model``, ...);
 ``NEOFIX_TRACE=1`` logs the same line per step through ``logging.getLogger("neofix")`` at INFO.  Tracing is opt-in
 and reads a few numbers off the device per step (one synchronisation), so it is meant for debugging and tests.
 """
@@ -28,7 +28,7 @@ _WRAPPER_MARK = "__neofix_wrapper__"  # set on every function neofix installs (n
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One forward of a GPT-Neo model, as the model computed it.
+    """One forward of a patched model's base model, as the model computed it.
 
     ``mask_length_given`` is the 2D mask's length as passed, ``mask_length`` after neofix's alignment (the same when
     neofix is not patched).  Positions are those the model used: the aligned ones, or, where none were given to an
@@ -175,7 +175,7 @@ def _base_model(model: Any) -> Any:
     if not found:
         raise TypeError(
             f"neofix.trace: {type(model).__name__} contains no transformers model neofix patches ({names}); pass one "
-            f"(GPTNeoForCausalLM, GPTNeoModel, or a module holding one)"
+            f"(a causal LM such as GPTNeoForCausalLM, its base model, or a module holding one)"
         )
     if len(found) > 1:
         raise ValueError(
@@ -198,8 +198,8 @@ def trace(model: Any) -> Iterator[list[Step]]:
             model.generate(input_ids, attention_mask=mask, max_new_tokens=4)
         print(*steps, sep="\\n")   # step 0: batch 2, 6 new + 0 cached, mask 6, positions 0..5, repaired: nothing
 
-    ``model`` may be any module holding one transformers ``GPTNeoModel`` (``GPTNeoForCausalLM``, a classification
-    head, your own wrapper); forwards of other models are not recorded, forwards of this one are, from any thread.
+    ``model`` may be any module holding one base model of a family neofix patches (``GPTNeoModel`` in a
+    ``GPTNeoForCausalLM``, ``GPT2Model`` in a classification head, your own wrapper); forwards of other models are not recorded, forwards of this one are, from any thread.
     Traces nest.  With neofix patched, a step records what the patch aligned and repaired; unpatched, it records
     what the model was given.  Traced or compiled forwards (torch.jit, fx, torch.compile, export) are not recorded.
     """

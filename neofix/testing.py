@@ -1,4 +1,5 @@
-"""Test helpers: a tiny random GPT-Neo and the full-recompute reference every correctness check compares with.
+"""Test helpers: tiny random models of every patched family (GPT-Neo first) and the full-recompute reference every
+correctness check compares with.
 
 The reference runs one forward over the whole sequence, without a cache, with the attention mask and
 ``position_ids = (cumsum(mask) - 1).clamp(min=0)``: a left-padded row then produces exactly the tokens of the same

@@ -417,8 +417,8 @@ def test_bad_model_messages_name_everything():
         with neofix.trace(torch.nn.Linear(2, 2)):
             pass
     assert str(caught.value) == (
-        f"neofix.trace: Linear contains no transformers model neofix patches ({names}); pass one (GPTNeoForCausalLM, "
-        f"GPTNeoModel, or a module holding one)"
+        f"neofix.trace: Linear contains no transformers model neofix patches ({names}); pass one (a causal LM "
+        f"such as GPTNeoForCausalLM, its base model, or a module holding one)"
     )
     two = torch.nn.ModuleList([tiny_model("gpt2"), tiny_gpt_neo(seed=1)])
     with pytest.raises(ValueError) as caught:

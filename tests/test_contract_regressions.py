@@ -34,6 +34,8 @@ from neofix.testing import (
     tiny_model,
 )
 
+from .test_families import run as outcome  # call() with every warning recorded: (result or error, warnings)
+from .test_families import said
 from ._versions import TF, TF_RELEASE, cache_keyword, output_cache
 from .loops import decode, left_padded_batch
 
@@ -51,21 +53,6 @@ def selected(*names):
 def available(family):
     if not hasattr(transformers, FAMILY_CONFIGS[family][0]):
         pytest.skip(f"transformers {TF} has no {FAMILY_CONFIGS[family][0]}")
-
-
-def said(caught):
-    return [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
-
-
-def outcome(call):
-    """``call()`` under no_grad with every warning recorded: (result or the exception raised, NeofixWarnings)."""
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
-        try:
-            result = call()
-        except Exception as exc:  # noqa: BLE001 - the outcome is compared
-            result = exc
-    return result, said(caught)
 
 
 # -- 1. 4D attention masks -------------------------------------------------------------------------------------------

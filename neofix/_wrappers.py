@@ -37,7 +37,17 @@ from ._compat import (
     tracer,
 )
 from ._config import settings
-from ._core import Aligned, CacheView, Limits, Policy, StepInputs, align, derive_positions, explain_index_error
+from ._core import (
+    Aligned,
+    CacheView,
+    Limits,
+    Policy,
+    StepInputs,
+    align,
+    derive_positions,
+    explain_index_error,
+    keeps_every_rule,
+)
 from ._errors import (
     AttentionWindowError,
     InputShapeError,
@@ -84,10 +94,13 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
         eager = traced != COMPILING
         if eager:
             _reports.poll()  # position reports of earlier steps, read once their copies have landed (never waiting)
-        limits = adapter.limits(self.config)  # read on every call: a model may be edited between calls
+        limits = model_limits(self, adapter)
         view = _read_cache(self, call, adapter, eager)
         step = _step_inputs(call)
-        aligned = align(step, view, limits, _policy(call, adapter, eager))
+        kept, facts = _keeps_every_rule(step, view, limits, adapter) if eager and not _reports.listeners else _NO
+        if kept:  # the usual step: nothing to change (see keeps_every_rule)
+            return _call(original, self, call, view, limits, adapter)
+        aligned = align(step, view, limits, _policy(call, adapter, eager), facts)
         if aligned is None:  # neither input_ids nor inputs_embeds: transformers raises its own error
             return original(self, **call)
         _apply(aligned, call, takes_positions)
@@ -97,7 +110,7 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
                 _reports.deliver(aligned.report)
             if _reports.listeners:
                 _reports.emit(_step_info(self, aligned, view, step.attention_mask))
-        return _call(original, self, call, aligned, view, limits, adapter)
+        return _call(original, self, call, view, limits, adapter, aligned.right_padded)
         _a = _b = _c = _d = _e = _f = _g = _h = _i = _j = _k = None  # _FX_ROOM: never runs (see above)
 
     return _mark(forward)
@@ -131,6 +144,15 @@ def _step_inputs(call: dict) -> StepInputs:
         call.get("token_type_ids"),
         call.get("cache_position"),
     )
+
+
+_NO = (False, None)
+
+
+def _keeps_every_rule(step: StepInputs, view: CacheView, limits: Limits, adapter: Adapter) -> tuple[bool, Any]:
+    given = step.position_ids
+    trusted = given is not None and _is_trusted(given)
+    return keeps_every_rule(step, view, limits, adapter.positions, trusted, settings.check_values, settings.strict)
 
 
 def _policy(call: dict, adapter: Adapter, eager: bool) -> Policy:
@@ -171,21 +193,55 @@ def _step_info(model: Any, aligned: Aligned, view: CacheView, given_mask: Any) -
 
 
 def _call(
-    original: Any, model: Any, call: dict, aligned: Aligned, view: CacheView, limits: Limits, adapter: Adapter
+    original: Any,
+    model: Any,
+    call: dict,
+    view: CacheView,
+    limits: Limits,
+    adapter: Adapter,
+    right_padded: tuple[int, ...] = (),
 ) -> Any:
-    """Call transformers' forward once.  A bad id or position that no check read (single-token decode steps read
-    nothing; on the CPU the lookup is the check) surfaces as the embedding's ``IndexError``: name the value instead.
-    A prefill that ended rows in padding marks the cache it returns, so that decoding from it says so."""
+    """Call transformers' forward once, with the call as aligned.  A bad id or position that no check read
+    (single-token decode steps read nothing; on the CPU the lookup is the check) surfaces as the embedding's
+    ``IndexError``: name the value instead.  A prefill that ended ``right_padded`` rows in padding marks the cache it
+    returns, so that decoding from it says so."""
     try:
         output = original(model, **call)
     except IndexError as exc:
-        explain_index_error(exc, limits, call.get("input_ids"), aligned.token_type_ids, aligned.position_ids)
+        positions = call.get("position_ids")
+        explain_index_error(exc, limits, call.get("input_ids"), call.get("token_type_ids"), positions)
         if adapter.explain_overflow is not None:
-            adapter.explain_overflow(exc, model.config, aligned.attention_mask, aligned.position_ids, view.length)
+            adapter.explain_overflow(exc, model.config, call.get("attention_mask"), positions, view.length)
         raise
-    if aligned.right_padded:
-        _mark_right_padded(output, aligned.right_padded)
+    if right_padded:
+        _mark_right_padded(output, right_padded)
     return output
+
+
+# -- the model's limits ------------------------------------------------------------------------------------------
+
+# id(config) -> (weak reference to it, its attributes when the limits were read, the limits)
+_LIMITS: dict[int, tuple[Any, dict, Limits]] = {}
+_stored = object.__getattribute__  # a config's own __dict__, without its __getattribute__ (5.x: two Python layers)
+
+
+def model_limits(model: Any, adapter: Adapter) -> Limits:
+    """The model's :class:`~neofix._core.Limits`, as the adapter reads them from ``model.config``.
+
+    The one rule for when they are read afresh: whenever any attribute of the config differs from when they were last
+    read (one comparison of its attributes, in C; reading them through the config costs microseconds each on 5.x).
+    Configs are edited by assigning attributes (``resize_token_embeddings`` sets ``vocab_size``), so a model edited
+    between two calls is judged as it is.  The model's layers are counted on every call (the adapter's ``layers``).
+    """
+    config = model.config
+    attributes = _stored(config, "__dict__")
+    remembered = _LIMITS.get(id(config))
+    if remembered is not None and remembered[0]() is config and remembered[1] == attributes:
+        return remembered[2]
+    limits = adapter.limits(config)
+    key = id(config)
+    _LIMITS[key] = (weakref.ref(config, lambda _, key=key: _LIMITS.pop(key, None)), dict(attributes), limits)
+    return limits
 
 
 # -- positions transformers' generate built (trusted: compared with nothing on decode steps) ------------------------

@@ -6,7 +6,7 @@ repairs made, as data) or raises a :class:`~neofix.NeofixError`.  Nothing here k
 model family.
 """
 
-from ._align import align, raise_cache_length_error
+from ._align import align, keeps_every_rule, raise_cache_length_error
 from ._types import NO_CACHE, Aligned, CacheView, Limits, Policy, Positions, Repair, Report, StepInputs
 from ._values import derive_positions, explain_index_error
 
@@ -23,5 +23,6 @@ __all__ = [
     "align",
     "derive_positions",
     "explain_index_error",
+    "keeps_every_rule",
     "raise_cache_length_error",
 ]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .._errors import (
+    NeofixError,
     BatchMismatchError,
     CacheLengthError,
     InputShapeError,
@@ -48,8 +49,19 @@ from ._types import (
     Positions,
     Repair,
     StepInputs,
+    is_integer,
 )
-from ._values import FIX_POSITIONS, ValueStep, settle
+from ._reads import Facts
+from ._values import (
+    FIX_POSITIONS,
+    ValueStep,
+    check_values,
+    positions_kept,
+    read_values,
+    rows_to_mark,
+    settle,
+    value_plan,
+)
 
 FIX_MASK = "append a column of ones per new token (torch.cat([mask, mask.new_ones(batch, new_tokens)], -1))"
 
@@ -65,12 +77,15 @@ def rows(count: int) -> str:
     return f"{count} row{'s' if count != 1 else ''}"
 
 
-def align(step: StepInputs, cache: CacheView, limits: Limits, policy: Policy = Policy()) -> Aligned | None:
+def align(
+    step: StepInputs, cache: CacheView, limits: Limits, policy: Policy = Policy(), facts: Facts | None = None
+) -> Aligned | None:
     """Align one step, or raise :class:`~neofix.NeofixError`.
 
     ``cache`` says what the cache holds (:class:`CacheView`; its ``length`` is ``None`` when that cannot be told
-    without a device synchronisation: length checks are skipped then).  Returns ``None`` when there is nothing to
-    align (neither input_ids nor inputs_embeds: transformers raises its own error).
+    without a device synchronisation: length checks are skipped then).  ``facts``: the step's values, where
+    :func:`keeps_every_rule` read them already.  Returns ``None`` when there is nothing to align (neither input_ids
+    nor inputs_embeds: transformers raises its own error).
     """
     shape = read_inputs(step, limits)
     if shape is None:
@@ -91,7 +106,7 @@ def align(step: StepInputs, cache: CacheView, limits: Limits, policy: Policy = P
         step.input_ids, token_types, positions, given, mask if mask_2d else None, model_mask, new, cache.length,
         cache_position,
     )
-    settled = settle(values, limits, policy, repairs)
+    settled = settle(values, limits, policy, repairs, facts)
     return Aligned(
         mask,
         settled.positions,
@@ -106,6 +121,46 @@ def align(step: StepInputs, cache: CacheView, limits: Limits, policy: Policy = P
     )
 
 
+def keeps_every_rule(
+    step: StepInputs, cache: CacheView, limits: Limits, kind: Positions, trusted: bool, read_always: bool, strict: bool
+) -> tuple[bool, Facts | None]:
+    """Whether :func:`align` would return ``step`` as it is, with nothing repaired, reported or marked: the usual
+    decode step (one token after a cache, its mask extended, positions none or generate's own), and the usual forward
+    without left padding (training, scoring, a prompt, a chunk).
+
+    Decided by the rule functions :func:`align` applies, on shapes (:func:`ids_problem`, :func:`cache_problem`,
+    :func:`mask_rows_problem`, :func:`mask_kept`, :func:`positions_problem`, :func:`~._values.value_plan`) and, for a
+    step that reads its values, on the values read once (:func:`~._values.read_values`, judged by
+    :func:`~._values.check_values`, which raises as align would, :func:`~._values.positions_kept` and
+    :func:`~._values.rows_to_mark`).  So it can only spare align's work, never decide otherwise: where any rule
+    would act or refuse on shapes, it answers ``False`` and align decides, with the values' facts where they were
+    read (``align(..., facts=)``: a step's values are read once).  ``kind``, ``trusted``, ``read_always``
+    (``check_values``) and ``strict``: see :class:`Policy`.
+    """
+    input_ids, embeds, mask, positions, token_types, cache_position = step
+    if input_ids is None or embeds is not None or token_types is not None or ids_problem(input_ids) is not None:
+        return False, None
+    batch, new = input_ids.shape
+    past = cache.length
+    if not new or past is None or not batch or cache_problem(cache, batch, new, limits) is not None:
+        return False, None
+    if mask is not None and (
+        mask.dim() != 2 or mask_rows_problem(mask, batch) is not None or not mask_kept(mask.shape[1], past + new)
+    ):
+        return False, None
+    if cache_position is not None and cache_position.shape[-1] != new:
+        return False, None
+    given = positions is not None and kind is not Positions.NONE
+    if given and (positions_problem(positions, batch) is not None or positions.shape[-1] != new):
+        return False, None
+    compare, derive, read = value_plan(given, mask is not None, False, new, past, kind, trusted, read_always, strict)
+    if not read:
+        return not (compare or derive), None
+    facts = read_values(input_ids, None, positions, given, compare, mask, new, past, limits)
+    check_values(facts, input_ids, None, positions, mask, limits)
+    return positions_kept(facts, compare, derive) and not rows_to_mark(facts, past), facts
+
+
 # -- 1. the new tokens -----------------------------------------------------------------------------------------------
 
 
@@ -113,16 +168,9 @@ def read_inputs(step: StepInputs, limits: Limits) -> tuple[int, int] | None:
     """``(batch, new tokens)`` of the step, from ``input_ids`` or ``inputs_embeds``; ``None`` when neither is given."""
     input_ids, embeds = step.input_ids, step.inputs_embeds
     if input_ids is not None:
-        if input_ids.dim() != 2:
-            raise InputShapeError(
-                f"input_ids has shape {tuple(input_ids.shape)}, but the model expects (batch, new_tokens): "
-                f"add the batch dimension (input_ids[None]) or flatten extra ones"
-            )
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise TokenIdError(
-                f"input_ids has dtype {input_ids.dtype}, but token ids are integers (indices into the vocabulary): "
-                f"pass the tokenizer's input_ids (torch.long)"
-            )
+        problem = ids_problem(input_ids)
+        if problem is not None:
+            raise problem
         batch, new = input_ids.shape
         name = "input_ids"
     elif embeds is not None:
@@ -144,22 +192,45 @@ def read_inputs(step: StepInputs, limits: Limits) -> tuple[int, int] | None:
     return batch, new
 
 
+def ids_problem(input_ids: Any) -> NeofixError | None:
+    """The error for ``input_ids`` that are not a 2D tensor of integers, else ``None``."""
+    if input_ids.dim() != 2:
+        return InputShapeError(
+            f"input_ids has shape {tuple(input_ids.shape)}, but the model expects (batch, new_tokens): "
+            f"add the batch dimension (input_ids[None]) or flatten extra ones"
+        )
+    if not is_integer(input_ids.dtype):
+        return TokenIdError(
+            f"input_ids has dtype {input_ids.dtype}, but token ids are integers (indices into the vocabulary): "
+            f"pass the tokenizer's input_ids (torch.long)"
+        )
+    return None
+
+
 # -- 2. the cache ----------------------------------------------------------------------------------------------------
 
 
 def check_cache(cache: CacheView, batch: int, new: int, limits: Limits) -> int | None:
     """Check the cache against the step; return ``p + q`` (``None`` when the cache's length cannot be told)."""
-    # Unpacked at once: a named field costs a lookup each, several times a tuple's right after a forward (this runs
-    # on every step that is not the usual decode step).
+    problem = cache_problem(cache, batch, new, limits)
+    if problem is not None:
+        raise problem
+    return None if cache.length is None else cache.length + new
+
+
+def cache_problem(cache: CacheView, batch: int, new: int, limits: Limits) -> NeofixError | None:
+    """The error for a cache that does not fit the step or the model, else ``None``: other rows, another model's
+    heads, layers of different lengths, or more tokens than the position table holds."""
+    # Unpacked at once: a named field costs a lookup each.
     past, rows, lengths, _, heads, head_dim, _ = cache
     max_positions, _, _, model_heads, model_head_dim = limits
     if rows is not None and rows != batch:
-        raise BatchMismatchError(
+        return BatchMismatchError(
             f"the cache holds {rows} rows, but this step feeds {batch}: the cache, attention_mask and "
             f"inputs must hold the same rows (reorder or select the cache with the inputs, e.g. after beam search)"
         )
     if heads is not None and model_heads is not None and (heads != model_heads or head_dim != model_head_dim):
-        raise InputShapeError(
+        return InputShapeError(
             f"the cache holds keys of {heads} heads of width {head_dim}, but this model has {model_heads} "
             f"heads of width {model_head_dim}: the cache was built by another model. Pass the cache this model "
             f"returned, or none (the prompt is then encoded again)"
@@ -169,25 +240,26 @@ def check_cache(cache: CacheView, batch: int, new: int, limits: Limits) -> int |
         if lengths.count(past) + lengths.count(None) != len(lengths):
             for layer, held in enumerate(lengths):
                 if held is not None and held != past:
-                    raise_cache_length_error(layer, held, past)
-    if past is None:
+                    return cache_length_error(layer, held, past)
+    if past is None or max_positions is None or past + new <= max_positions:
         return None
-    total = past + new
-    if max_positions is not None and total > max_positions:
-        fit = max(max_positions - past, 0)
-        error = SequenceTooLongError(
-            f"this step would reach sequence length {total} (the cache holds {past} tokens and the step "
-            f"feeds {new}), but config.max_position_embeddings is {max_positions}: {fit} more new "
-            f"token{' fits' if fit == 1 else 's fit'}; shorten the prompt or generate fewer tokens"
-        )
-        error.past, error.total, error.max_positions = past, total, max_positions
-        raise error
-    return total
+    total, fit = past + new, max(max_positions - past, 0)
+    error = SequenceTooLongError(
+        f"this step would reach sequence length {total} (the cache holds {past} tokens and the step "
+        f"feeds {new}), but config.max_position_embeddings is {max_positions}: {fit} more new "
+        f"token{' fits' if fit == 1 else 's fit'}; shorten the prompt or generate fewer tokens"
+    )
+    error.past, error.total, error.max_positions = past, total, max_positions
+    return error
 
 
 def raise_cache_length_error(layer: Any, held: int, expected: int) -> None:
     """Raise :class:`CacheLengthError`: cache ``layer`` holds ``held`` tokens where layer 0 holds ``expected``."""
-    raise CacheLengthError(
+    raise cache_length_error(layer, held, expected)
+
+
+def cache_length_error(layer: Any, held: int, expected: int) -> CacheLengthError:
+    return CacheLengthError(
         f"cache layer {layer} holds {held} tokens, but layer 0 holds {expected}: every layer of the cache must hold "
         f"the same tokens (was it built for another model, or cropped or edited per layer?). Crop every layer to "
         f"the same length, or rebuild the cache by running the whole sequence again"
@@ -221,13 +293,11 @@ def _align_padding_mask(
 ) -> Any:
     """A 2D padding mask of one row per input row, extended with ones where it covers the cache but not the new
     tokens; one that is longer, or whose columns cannot be told apart, is refused."""
-    if mask.shape[0] != batch:
-        raise BatchMismatchError(
-            f"attention_mask has {rows(mask.shape[0])}, but this step feeds {batch}: pass one mask row per input "
-            f"row"
-        )
+    problem = mask_rows_problem(mask, batch)
+    if problem is not None:
+        raise problem
     columns = mask.shape[1]
-    if total is None or columns == total:
+    if mask_kept(columns, total):
         return mask
     expected = (
         f"attention_mask has {counted(columns, 'column')}, but the cache holds {counted(past, 'token')} and this step "
@@ -265,6 +335,21 @@ def _align_padding_mask(
         )
     )
     return torch.cat([mask, mask.new_ones((batch, total - columns))], dim=-1)
+
+
+def mask_rows_problem(mask: Any, batch: int) -> NeofixError | None:
+    """The error for a 2D mask of another number of rows than the step's, else ``None``."""
+    if mask.shape[0] == batch:
+        return None
+    return BatchMismatchError(
+        f"attention_mask has {rows(mask.shape[0])}, but this step feeds {batch}: pass one mask row per input row"
+    )
+
+
+def mask_kept(columns: int, total: int | None) -> bool:
+    """Whether a 2D mask of ``columns`` columns is used as given: it covers the cached plus the new tokens (or the
+    cache's length cannot be told)."""
+    return total is None or columns == total
 
 
 def _readings_agree(mask: Any, total: int) -> bool:
@@ -348,7 +433,9 @@ def align_positions(
     """
     if positions is None or kind is Positions.NONE:  # none given, or a family that takes none (the model refuses)
         return positions, False
-    _check_positions_shape(positions, batch)
+    problem = positions_problem(positions, batch)
+    if problem is not None:
+        raise problem
     length = positions.shape[-1]
     if length == new:
         return positions, True
@@ -388,19 +475,20 @@ def align_positions(
     return torch.arange(past, total, device=first.device).unsqueeze(0), False  # type: ignore[arg-type]
 
 
-def _check_positions_shape(positions: Any, batch: int) -> None:
-    """Refuse positions that are not a 1D or 2D tensor of integers with one row, or one per input row."""
+def positions_problem(positions: Any, batch: int) -> NeofixError | None:
+    """The error for positions that are not a 1D or 2D tensor of integers with one row, or one per input row."""
     dims = positions.dim()
     if dims not in (1, 2):
-        raise PositionError(f"position_ids has shape {tuple(positions.shape)}; expected (batch, new_tokens)")
-    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
-        raise PositionError(
+        return PositionError(f"position_ids has shape {tuple(positions.shape)}; expected (batch, new_tokens)")
+    if not is_integer(positions.dtype):
+        return PositionError(
             f"position_ids has dtype {positions.dtype}, but positions are integers (indices into the position "
             f"table): pass torch.long positions, e.g. (mask.long().cumsum(-1) - 1).clamp(min=0)"
         )
     given_rows = positions.shape[0] if dims == 2 else 1
     if given_rows not in (1, batch):
-        raise BatchMismatchError(
+        return BatchMismatchError(
             f"position_ids has {rows(given_rows)}, but this step feeds {batch}: pass one row per input row (or one row "
             f"for all)"
         )
+    return None

@@ -4,7 +4,10 @@ alignment made of it.  Plain ``NamedTuple`` s of tensors and ints: nothing here 
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, NamedTuple
+
+import torch
 
 # Repair kinds: the names traces list in ``repairs`` and warnings are remembered by (each is warned once).
 MASK_EXTENDED = "mask_extended"
@@ -17,6 +20,12 @@ POSITIONS_COUNT_PADDING = "positions_count_padding"  # prefill: arange over a le
 TOKEN_TYPES_SLICED = "token_type_ids_sliced"
 CACHE_POSITION_DROPPED = "cache_position_dropped"
 MASK_SLICED = "mask_sliced"  # a mask longer than cached plus new tokens whose every reading agrees: sliced (silent)
+
+
+@functools.lru_cache(maxsize=None)
+def is_integer(dtype: Any) -> bool:
+    """Whether a tensor of ``dtype`` holds integers (indices into a table): not floating point, complex or bool."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype is torch.bool)
 
 
 class Positions(enum.Enum):

@@ -63,46 +63,105 @@ class Settled(NamedTuple):
     right_padded: tuple[int, ...]
 
 
-def settle(step: ValueStep, limits: Limits, policy: Policy, repairs: list[Repair]) -> Settled:
-    """The step's positions, after every value rule the step gets (raises for values no repair can make right)."""
-    kind = policy.positions
-    compare = (
-        step.given and kind.compared and not step.model_mask and (not policy.trusted_positions or step.past == 0)
+def settle(
+    step: ValueStep, limits: Limits, policy: Policy, repairs: list[Repair], facts: Facts | None = None
+) -> Settled:
+    """The step's positions, after every value rule the step gets (raises for values no repair can make right).
+    ``facts``: the step's values where they were read already (by :func:`~._align.keeps_every_rule`)."""
+    compare, derive, read = value_plan(
+        step.given, step.mask is not None, step.model_mask, step.new, step.past, policy.positions,
+        policy.trusted_positions, policy.check_values, policy.strict,
     )
-    derive = not step.given and kind is Positions.ABSOLUTE and step.mask is not None
     if policy.compiling:  # nothing read, nothing reported: the same positions, from shapes and on the device
         return Settled(_positions_on_device(step, compare, derive), False, None, ())
-    decode = step.new == 1 and step.past != 0
-    if decode and not policy.check_values and not (compare and policy.strict):
+    if not read:
         return _settle_without_reading(step, compare, derive, repairs)
-    if any(tensor is not None and not tensor.numel() for tensor in (step.input_ids, step.positions, step.mask)):
+    if _empty(step.input_ids) or _empty(step.positions) or _empty(step.mask):
         return Settled(step.positions, False, None, ())  # no rows: nothing to read (transformers runs or refuses it)
-    question = Question(
-        step.input_ids,
-        step.token_types,
-        step.positions if step.given else None,
-        compare,
-        step.given and limits.max_positions is not None,
-        step.mask,
-        step.new,
-        step.past,
-    )
-    facts = _reads.reader_for(question)(question)
-    check_values(facts, step, limits)
+    if facts is None:
+        facts = read_values(
+            step.input_ids, step.token_types, step.positions, step.given, compare, step.mask, step.new, step.past,
+            limits,
+        )
+        check_values(facts, step.input_ids, step.token_types, step.positions, step.mask, limits)
     positions = _positions_from(facts, step, compare, derive, policy, repairs)
-    return Settled(positions, True, None, facts.right_padded if step.past == 0 else ())
+    return Settled(positions, True, None, rows_to_mark(facts, step.past))
 
 
-def check_values(facts: Facts, step: ValueStep, limits: Limits) -> None:
+def value_plan(
+    given: bool,
+    mask_2d: bool,
+    model_mask: bool,
+    new: int,
+    past: int | None,
+    kind: Positions,
+    trusted: bool,
+    check_values: bool,
+    strict: bool,
+) -> tuple[bool, bool, bool]:
+    """``(compare, derive, read)``: whether given positions are compared with the 2D mask's (``kind`` looks them up in
+    a table, and generate did not build them from the mask after a cache), whether missing ones are derived from it,
+    and whether the step reads its values (every step but a single-token decode step, unless ``check_values`` asks,
+    or strict mode must judge given positions at once)."""
+    compare = given and kind.compared and not model_mask and (not trusted or past == 0)
+    derive = not given and kind is Positions.ABSOLUTE and mask_2d
+    decode = new == 1 and past != 0
+    return compare, derive, not decode or check_values or (compare and strict)
+
+
+def read_values(
+    input_ids: Any,
+    token_types: Any,
+    positions: Any,
+    given: bool,
+    compare: bool,
+    mask: Any,
+    new: int,
+    past: int | None,
+    limits: Limits,
+) -> Facts:
+    """Read a step's values once, by the reader :func:`~._reads.reader_for` picks (given positions' range only where
+    the family has a position table)."""
+    question = Question(
+        input_ids,
+        token_types,
+        positions if given else None,
+        compare,
+        given and limits.max_positions is not None,
+        mask,
+        new,
+        past,
+    )
+    return _reads.reader_for(question)(question)
+
+
+def positions_kept(facts: Facts, compare: bool, derive: bool) -> bool:
+    """Whether the facts leave the step's positions as they are: given ones that agree with the mask, or none to
+    derive from a mask without left padding (every real token then sits at its column: transformers' own are right)."""
+    if compare and (facts.wrong or facts.counts_pads):
+        return False
+    return not (derive and facts.left)
+
+
+def rows_to_mark(facts: Facts, past: int | None) -> tuple[int, ...]:
+    """The rows a forward without a cache ends in padding (its cache is marked: decoding from it is warned)."""
+    return facts.right_padded if past == 0 else ()
+
+
+def _empty(tensor: Any) -> bool:
+    return tensor is not None and not tensor.numel()
+
+
+def check_values(facts: Facts, input_ids: Any, token_types: Any, positions: Any, mask: Any, limits: Limits) -> None:
     """Raise for token ids, token types or positions outside their tables, or a mask of values other than 0 and 1."""
     if facts.ids is not None and not (0 <= facts.ids[0] and facts.ids[1] < limits.vocab_size):
-        raise_token_id_error(step.input_ids, limits.vocab_size)
+        raise_token_id_error(input_ids, limits.vocab_size)
     if facts.types is not None and not (0 <= facts.types[0] and facts.types[1] < limits.vocab_size):
-        raise_token_id_error(step.token_types, limits.vocab_size, name="token_type_ids")
+        raise_token_id_error(token_types, limits.vocab_size, name="token_type_ids")
     if facts.positions is not None and not (0 <= facts.positions[0] and facts.positions[1] < limits.max_positions):  # type: ignore[operator]
-        raise_position_range_error(step.positions, limits.max_positions)  # type: ignore[arg-type]
+        raise_position_range_error(positions, limits.max_positions)  # type: ignore[arg-type]
     if not facts.binary:
-        _raise_mask_value_error(step.mask)
+        _raise_mask_value_error(mask)
 
 
 def _positions_from(
@@ -111,14 +170,15 @@ def _positions_from(
     """The positions the facts call for: given ones repaired where they disagree with the mask, missing ones derived
     from a mask with left padding, else the step's own (``None``: transformers' own, which are the mask's)."""
     mask = step.mask
+    if positions_kept(facts, compare, derive):
+        return step.positions
     if compare and facts.wrong:
         derived, real = step_truth(mask, step.new, step.past, step.positions)  # type: ignore[misc]
         wrong = real & (step.positions != derived)
         return _repair_cached(step.positions, derived, wrong, step.past, mask is not None, policy.strict, repairs)
     if compare and facts.counts_pads:
         return _repair_counted_padding(step.positions, mask, facts.counts_pads, policy.strict, repairs)
-    if not (derive and facts.left):
-        return step.positions  # without left padding every real token sits at its column: transformers' own are right
+    # (derive, with left padding: without it every real token sits at its column, and transformers' own are right)
     if step.past == 0:
         if policy.uncached_positions == "transformers":
             return None
@@ -180,14 +240,16 @@ def mask_positions(mask: torch.Tensor, new: int, past: int | None, cache_positio
     heads read: QA takes a softmax over every column), and an unpadded or right-padded row computes exactly what it
     computes unpatched, bit for bit.
     """
-    derived = mask.long().cumsum(-1)[:, -new:] - 1
+    whole = mask.shape[-1] == new  # (a forward without a cache: no columns to drop)
+    counted = (mask if mask.dtype is torch.long else mask.long()).cumsum(-1)
+    derived = counted.sub_(1) if whole else counted[:, -new:] - 1
     if cache_position is not None and cache_position.dim() == 1:
-        own = cache_position.unsqueeze(0).to(derived.dtype)
+        own = cache_position.to(derived.dtype)
     elif past is not None:
-        own = torch.arange(past, past + new, device=derived.device).unsqueeze(0)
+        own = torch.arange(past, past + new, device=derived.device)
     else:  # a static cache without cache_position: transformers' own cannot be told; pads before a real token at 0
         return derived.clamp_(min=0)
-    return torch.where(mask[:, -new:] != 0, derived, own)
+    return torch.where((mask if whole else mask[:, -new:]) != 0, derived, own)  # (own: one row, for every row)
 
 
 def _from_mask_message(mask: torch.Tensor) -> str:

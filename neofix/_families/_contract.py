@@ -73,6 +73,7 @@ def make_layers(attribute: str) -> Callable[[Any], int]:
     """``layers(model)``: the number of attention layers (``model.<attribute>`` is the base model's blocks)."""
 
     def layers(model: Any) -> int:
-        return len(getattr(model, attribute))
+        blocks = model._modules.get(attribute)  # (a submodule: read where nn.Module keeps it, without __getattr__)
+        return len(blocks if blocks is not None else getattr(model, attribute))
 
     return layers

@@ -92,7 +92,7 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
         if traced == STEPPING_ASIDE or _passed_on(input_ids, adapter):
             return original(self, *args, **kwargs)
         eager = traced != COMPILING
-        if eager:
+        if eager and _reports.pending:
             _reports.poll()  # position reports of earlier steps, read once their copies have landed (never waiting)
         limits = model_limits(self, adapter)
         view = _read_cache(self, call, adapter, eager)
@@ -136,14 +136,11 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
 
 
 def _step_inputs(call: dict) -> StepInputs:
-    return StepInputs(
-        call.get("input_ids"),
-        call.get("inputs_embeds"),
-        call.get("attention_mask"),
-        call.get("position_ids"),
-        call.get("token_type_ids"),
-        call.get("cache_position"),
-    )
+    """The call's tensors, by :class:`~neofix._core.StepInputs`' field names (``None`` where not given)."""
+    return _new_tuple(StepInputs, map(call.get, StepInputs._fields))  # (the fields, in C: this runs every step)
+
+
+_new_tuple = tuple.__new__
 
 
 _NO = (False, None)

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 import neofix
 from neofix._caches import of_call
-from neofix._core import CacheView, Limits, Policy, StepInputs, align
+from neofix._core import CacheView, Limits, Policy, Positions, StepInputs, align
 from neofix._core._reads import Question, read_on_device, read_on_host
 from neofix.testing import reference_positions, tiny_gpt_neo
 
@@ -261,3 +261,101 @@ def test_a_forward_reads_its_cache_once(monkeypatch, step):
 def test_of_call_names_the_cache_keyword():
     assert of_call({"cache": 1}) == ("cache", 1)
     assert of_call({"past_key_values": 2}) == ("past_key_values", 2)
+
+
+# -- the cheap pass decides as align does ----------------------------------------------------------------------------
+
+
+def _outcome(run):
+    """What ``run`` ends with: ``("error", type, message)`` or its result."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", neofix.NeofixWarning)
+        try:
+            return run()
+        except neofix.NeofixError as exc:
+            return ("error", type(exc), str(exc))
+
+
+def _aligned_as(aligned):
+    positions = aligned.position_ids
+    return (
+        aligned.attention_mask, None if positions is None else positions.tolist(), aligned.repair_kinds,
+        aligned.report is not None, aligned.right_padded,
+    )
+
+
+@PROPERTY
+@given(question=questions(), strict=st.booleans(), check=st.booleans(), trusted=st.booleans(),
+       kind=st.sampled_from(list(Positions)), on_device=st.booleans())
+def test_the_cheap_pass_decides_as_align_does(question, strict, check, trusted, kind, on_device):
+    """``keeps_every_rule`` (the usual step's pass, from the same rule functions) never decides otherwise than
+    ``align``: where it keeps a step, align returns that very step with nothing repaired, reported or marked; where it
+    raises, align raises the same error; and the values it read, handed to align, give align's own outcome."""
+    from neofix._core import keeps_every_rule
+
+    ids = question.input_ids.clamp(0, 95) if draw_valid_ids(question) else question.input_ids
+    past = question.past
+    view = CacheView(past, ids.shape[0], None if past is None else (past,) * 2, None, None, None, "legacy")
+    step = StepInputs(ids, None, question.mask, question.positions)
+    policy = Policy(strict=strict, check_values=check, trusted_positions=trusted, positions=kind)
+    with device_reads(on_device):
+        kept = _outcome(lambda: keeps_every_rule(step, view, LIMITS, kind, trusted, check, strict))
+        alone = _outcome(lambda: align(step, view, LIMITS, policy))
+        if kept[0] == "error":
+            assert alone == kept
+            return
+        kept, facts = kept
+        if kept:
+            mask, positions, repairs, reported, marked = _aligned_as(alone)
+            assert mask is step.attention_mask and repairs == () and not reported and marked == ()
+            assert positions == (None if step.position_ids is None else step.position_ids.tolist())
+        with_facts = _outcome(lambda: align(step, view, LIMITS, policy, facts))
+    if alone[0] == "error":
+        assert with_facts == alone
+    else:
+        assert _aligned_as(with_facts)[1:] == _aligned_as(alone)[1:]
+
+
+def draw_valid_ids(question):
+    """Mostly ids inside the vocabulary; sometimes the drawn ones (-1 or 96: refused on the device, left to the
+    embedding on the host)."""
+    return int(question.input_ids.sum()) % 4 != 0
+
+
+def test_a_left_padded_prompt_reads_its_values_once(monkeypatch):
+    """A forward that the cheap pass reads and finds to change (left padding: positions derived) hands the facts on:
+    the values are read once, and the positions are the reference's."""
+    from neofix._core import _reads
+
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32)
+    ids, mask = left_padded_batch([6, 4])
+    reads = []
+    real = _reads.read_on_host
+    monkeypatch.setattr(_reads, "read_on_host", lambda question: reads.append(question) or real(question))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", neofix.NeofixWarning)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    assert len(reads) == 1
+    with neofix.unpatched(), torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask)).logits
+    real_tokens = mask.bool()
+    torch.testing.assert_close(logits[real_tokens], expected[real_tokens], rtol=1e-4, atol=1e-4)
+
+
+# -- the model's limits: read afresh whenever its config changed ----------------------------------------------------
+
+
+def test_limits_are_read_afresh_after_the_vocabulary_is_resized():
+    """``resize_token_embeddings`` between two forwards (it assigns ``config.vocab_size``): a token id of the grown
+    vocabulary runs, and after shrinking, an id past the new end is refused naming the new size (not the size the
+    model had when it first ran)."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32)
+    size = model.config.vocab_size
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        model(input_ids=ids)
+        model.resize_token_embeddings(size + 8)
+        assert model(input_ids=torch.tensor([[1, size + 7]])).logits.shape[-1] == size + 8
+        model.resize_token_embeddings(size - 8)
+        with pytest.raises(neofix.TokenIdError, match=f"config.vocab_size is {size - 8},"):
+            model(input_ids=torch.tensor([[1, size - 3]]))

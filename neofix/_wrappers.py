@@ -38,6 +38,7 @@ from ._compat import (
 )
 from ._config import settings
 from ._core import (
+    NO_CACHE,
     Aligned,
     CacheView,
     Limits,
@@ -127,7 +128,7 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
     key, cache = _caches.of_call(call)
     if type(cache) is tuple and cache and adapter.legacy_cache_rejected:
         call[key] = cache = _legacy_cache(cache, model.config)
-    view = adapter.read_cache(cache, adapter.layers(model))
+    view = NO_CACHE if cache is None else adapter.read_cache(cache, adapter.layers(model))
     if eager:
         adapter.check_step(model, view)
         if _RIGHT_PADDED and view.length != 0:

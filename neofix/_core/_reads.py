@@ -16,7 +16,8 @@ read nothing (see :func:`~neofix._core._values.settle`).
 
 from __future__ import annotations
 
-from itertools import accumulate
+from itertools import accumulate, compress, repeat
+from operator import add, sub
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -76,24 +77,10 @@ def reader_for(question: Question) -> Reader:
 def read_on_host(question: Question) -> Facts:
     input_ids, _, positions, compare, _, mask, new, past = question
     rows = mask.tolist() if mask is not None else None
-    left = after = False
-    right: list[int] = []
-    binary = True
-    for index, row in enumerate(rows or ()):
-        ones, zeros = row.count(1), row.count(0)
-        if ones + zeros != len(row):
-            binary = False
-            break
-        if not zeros or not ones:
-            continue
-        if row.index(1) == zeros:  # pads, then real tokens: the usual left padding
-            left = True
-            continue
-        steps = bytes(row) if isinstance(row[0], int) else bytes(map(int, row))
-        left = left or b"\x00\x01" in steps
-        after = True  # a real token before the last pad
-        if not row[-1]:
-            right.append(index)
+    if rows is None or sum(map(list.count, rows, repeat(1))) == mask.numel():
+        binary, left, after, right = True, False, False, []  # every token real (counted in C: the usual mask)
+    else:
+        binary, left, after, right = _scan(rows)
     wrong, counts_pads = False, ()
     if compare and binary:
         given = positions.tolist()
@@ -107,20 +94,43 @@ def read_on_host(question: Question) -> Facts:
     return Facts(None, None, None, binary, left, after, tuple(right), wrong, counts_pads)
 
 
+def _scan(rows: list[list[Any]]) -> tuple[bool, bool, bool, list[int]]:
+    """``(binary, left, after, right_padded)`` of a mask's rows (see :class:`Facts`)."""
+    left = after = False
+    right: list[int] = []
+    for index, row in enumerate(rows):
+        ones, zeros = row.count(1), row.count(0)
+        if ones + zeros != len(row):
+            return False, False, False, []
+        if not zeros or not ones:
+            continue
+        if row.index(1) == zeros:  # pads, then real tokens: the usual left padding
+            left = True
+            continue
+        steps = bytes(row) if isinstance(row[0], int) else bytes(map(int, row))
+        left = left or b"\x00\x01" in steps
+        after = True  # a real token before the last pad
+        if not row[-1]:
+            right.append(index)
+    return True, left, after, right
+
+
 def _wrong(row: list[int] | None, own: list[int], new: int, past: int | None) -> bool:
-    """Whether a real new token of a row sits at another position than its mask (or, without one, the cache) says."""
+    """Whether a real new token of a row sits at another position than its mask (or, without one, the cache) says:
+    its count of real tokens minus one.  (Compared as lists of the real tokens' positions: in C.)"""
     if row is None:
         return past is not None and own != list(range(past, past + new))
-    counted = list(accumulate(row))[-new:]
-    return any(real and given != count - 1 for real, given, count in zip(row[-new:], own, counted))
+    real = row[-new:]
+    mask_positions = list(map(sub, accumulate(row), repeat(1)))[-new:]
+    return list(compress(own, real)) != list(compress(mask_positions, real))
 
 
 def _counts_pads(row: list[int], own: list[int]) -> bool:
     """Whether a row with left padding has its real tokens at positions that count the pads (column numbers)."""
     if not row or row[0] or 1 not in row:
         return False
-    leading = row.index(1)
-    return all(given == count - 1 + leading for real, given, count in zip(row, own, accumulate(row)) if real)
+    columns = list(map(add, accumulate(row), repeat(row.index(1) - 1)))  # a real token's count - 1 + the pads
+    return list(compress(own, row)) == list(compress(columns, row))
 
 
 # -- on the device -------------------------------------------------------------------------------------------------

@@ -129,7 +129,10 @@ def _counts_pads(row: list[int], own: list[int]) -> bool:
     """Whether a row with left padding has its real tokens at positions that count the pads (column numbers)."""
     if not row or row[0] or 1 not in row:
         return False
-    columns = list(map(add, accumulate(row), repeat(row.index(1) - 1)))  # a real token's count - 1 + the pads
+    leading = row.index(1)
+    if own[leading] != leading:  # (the first real token tells most rows at once)
+        return False
+    columns = list(map(add, accumulate(row), repeat(leading - 1)))  # a real token's count - 1 + the pads
     return list(compress(own, row)) == list(compress(columns, row))
 
 

@@ -4,7 +4,6 @@ alignment made of it.  Plain ``NamedTuple`` s of tensors and ints: nothing here 
 from __future__ import annotations
 
 import enum
-import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -22,10 +21,17 @@ CACHE_POSITION_DROPPED = "cache_position_dropped"
 MASK_SLICED = "mask_sliced"  # a mask longer than cached plus new tokens whose every reading agrees: sliced (silent)
 
 
-@functools.lru_cache(maxsize=None)
 def is_integer(dtype: Any) -> bool:
-    """Whether a tensor of ``dtype`` holds integers (indices into a table): not floating point, complex or bool."""
-    return not (dtype.is_floating_point or dtype.is_complex or dtype is torch.bool)
+    """Whether a tensor of ``dtype`` holds integers (indices into a table): not floating point, complex or bool.
+    (torch's integer dtypes are looked up in a set first: one check on every step, which dynamo traces as a constant.)"""
+    return dtype in _INTEGERS or not (dtype.is_floating_point or dtype.is_complex or dtype is torch.bool)
+
+
+_INTEGERS = frozenset(
+    value
+    for value in vars(torch).values()
+    if isinstance(value, torch.dtype) and not (value.is_floating_point or value.is_complex or value is torch.bool)
+)
 
 
 class Positions(enum.Enum):

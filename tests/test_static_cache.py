@@ -68,7 +68,8 @@ def dynamic_loop(model, ids, mask, steps=STEPS):
     keyword = cache_keyword(model)
     fed, full, cache, new = ids, mask, None, []
     for _ in range(steps):
-        out = model(input_ids=fed, attention_mask=full, use_cache=True, **({keyword: cache} if cache is not None else {}))
+        given = {keyword: cache} if cache is not None else {}
+        out = model(input_ids=fed, attention_mask=full, use_cache=True, **given)
         cache = out[keyword] if keyword in out.keys() else out["past_key_values"]
         fed = out.logits[:, -1:].argmax(-1)
         new.append(fed)
@@ -109,8 +110,8 @@ def test_a_static_loop_past_the_window_gives_the_reference_tokens(model, batch):
 
 
 @needs_static_loop
-@pytest.mark.xfail(strict=True, reason="a static cache's length is a tensor: neofix cannot tell a stale mask from shapes "
-                   "(transformers pads it with zeros to the slots); not repaired yet, see CHANGELOG")
+@pytest.mark.xfail(strict=True, reason="a static cache's length is a tensor: neofix cannot tell a stale mask from "
+                   "shapes (transformers pads it with zeros to the slots); not repaired yet, see CHANGELOG")
 def test_a_static_loop_with_a_stale_mask_is_repaired(model, batch):
     """The prompt's mask at every step (the classic bug) over a static cache: should be extended as over a dynamic
     cache.  Known gap: the length of a static cache is not read (a device synchronisation), so the short mask passes

@@ -51,7 +51,8 @@ def check_step(model: Any, cache: CacheView) -> None:
     """GPT-Neo's own limit: its local attention layers slice their window out of a causal buffer at the cache's
     last slot, which is the token's position only for a cache that grows.  neofix repairs the eager attention from
     transformers 4.45 on (:func:`make_static_window_forward`); a static cache of more slots than the window is refused
-    where that repair does not run (flash-attention-2; transformers before 4.45, whose GPT-Neo takes no cache object)."""
+    where that repair does not run (flash-attention-2; transformers before 4.45, whose GPT-Neo takes no cache
+    object)."""
     capacity = cache.capacity
     if capacity is None:
         return

@@ -31,7 +31,10 @@ def _static_kinds() -> frozenset[type]:
     ``StaticCache`` of transformers 4.45 - 4.55 (and its offloaded twin), and from 4.56 the ``StaticLayer`` of every
     static cache.  Exactly these classes: other fixed-capacity ones (sliding-window layers and caches, which roll
     their slots, or a subclass) are refused where the window matters."""
-    from transformers import cache_utils
+    try:
+        from transformers import cache_utils
+    except ImportError:  # no cache classes at all (before 4.36): no static cache either
+        return frozenset()
 
     def found(*names: str) -> frozenset[type]:
         return frozenset(getattr(cache_utils, name) for name in names if hasattr(cache_utils, name))

@@ -61,7 +61,10 @@ class InputShapeError(NeofixError):
 
 
 class AttentionWindowError(NeofixError):
-    """The attention implementation would ignore GPT-Neo's local attention window (flash-attention-2)."""
+    """GPT-Neo's local attention window would be applied wrong and neofix cannot repair it: flash-attention-2 (no
+    window at all), or a static cache of more slots than the window where the repair does not run (flash-attention-2,
+    a fixed-capacity cache whose slots are not the tokens' positions).  A ``StaticCache`` with the eager attention on
+    transformers 4.45 and later is repaired, not refused."""
 
 
 class NeofixWarning(UserWarning):

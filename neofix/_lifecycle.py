@@ -281,7 +281,9 @@ def _install(family: Family, module: Any, target: Any, name: str, adapter: Any, 
     original = vars(owner).get(target.attribute, _MISSING)
     # the factory wraps what the class resolves (its own attribute or the inherited one) in a plain function
     resolved = getattr(owner, target.attribute)
-    factory = getattr(_wrappers, target.wrapper)
+    factory = getattr(_wrappers, target.wrapper, None)  # else the family's own, in its adapter's module
+    if factory is None:
+        factory = getattr(importlib.import_module(family.adapter), target.wrapper)
     built = _built.get((family.name, name))
     if built is not None and built[0] is resolved and built[1] is factory:
         installed = built[2]

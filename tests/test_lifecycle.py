@@ -16,6 +16,8 @@ import neofix
 from neofix import _lifecycle
 from neofix._families import FAMILIES
 
+from ._versions import has
+
 OWNERS = {
     "GPTNeoModel": "forward",
     "GPTNeoForCausalLM": ("prepare_inputs_for_generation", "generate"),
@@ -76,9 +78,11 @@ def test_unpatch_restores_transformers_exactly():
     wrapped = [name for name, value in during.items() if value is not before[name]]
     assert "GPTNeoModel.forward" in wrapped
     assert "GPTNeoForCausalLM.generate" in wrapped
-    assert "GPTNeoSelfAttention.forward" not in wrapped  # GPTNeoModel.forward checks every layer up front
+    # the eager attention takes a local window over a static cache at the tokens' slots (4.45 and later)
+    assert ("GPTNeoSelfAttention.forward" in wrapped) is has("attention layers get the whole cache")
     for name in wrapped:
-        assert during[name].__code__.co_filename.endswith("_wrappers.py")  # a plain function: dynamo can guard it
+        made_in = during[name].__code__.co_filename  # a plain function: dynamo can guard it
+        assert made_in.endswith("_wrappers.py") or made_in.endswith("gpt_neo.py"), made_in
         assert during[name].__wrapped__ is (before[name] or during[name].__wrapped__)
     neofix.unpatch()
     after = class_attributes()
@@ -105,8 +109,11 @@ def test_inherited_methods_are_deleted_not_copied():
 def test_status_names_every_target():
     rows = {name: (state, reason) for name, state, reason in _lifecycle.status()}
     assert rows["GPTNeoModel.forward"][0] == "patched"
-    assert rows["GPTNeoSelfAttention.forward"][0] == "skipped"
-    assert "refuses an uneven cache before any layer runs" in rows["GPTNeoSelfAttention.forward"][1]
+    if has("attention layers get the whole cache"):
+        assert rows["GPTNeoSelfAttention.forward"][0] == "patched"
+    else:
+        assert rows["GPTNeoSelfAttention.forward"][0] == "skipped"
+        assert "take no cache object, so no static cache reaches them" in rows["GPTNeoSelfAttention.forward"][1]
     assert set(rows) == {_lifecycle.target_name(f, target) for f in FAMILIES.values() for target in f.targets}
     for family in FAMILIES.values():
         loaded = family.module in sys.modules
@@ -691,9 +698,13 @@ def test_status_rows_of_a_patched_gpt_neo_whole():
         assert rows[f"GPTNeoForCausalLM.{name}"] == ("patched", f"transformers {version}{note}"), name
     assert rows["GPTNeoModel.forward"] == ("patched", f"transformers {version}")
     assert rows["GPTNeoSelfAttention.forward"] == (
-        "skipped",
-        f"not needed on transformers {version}: GPTNeoModel.forward reads every layer's cache length and refuses an "
-        f"uneven cache before any layer runs, so the eager attention layers need no check of their own",
+        ("patched", f"transformers {version}")
+        if has("attention layers get the whole cache")
+        else (
+            "skipped",
+            f"not needed on transformers {version}: before 4.45 GPT-Neo's attention layers take no cache object, so "
+            f"no static cache reaches them",
+        )
     )
     if not hasattr(modeling_gpt_neo, "GPTNeoFlashAttention2"):  # transformers < 4.36
         assert rows["GPTNeoFlashAttention2.forward"] == (

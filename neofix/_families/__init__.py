@@ -21,7 +21,8 @@ class Target:
     """One attribute neofix replaces (or, with ``wrapper=""``, deliberately leaves alone: the doctor says why).
 
     ``owner`` is a class of the family's modeling module ("" for the module itself); ``wrapper`` the name of the
-    factory in :mod:`neofix._wrappers` that receives the original and returns its replacement.  ``since`` /
+    factory in :mod:`neofix._wrappers` (or, for a family's own, in its adapter module) that receives the original and
+    returns its replacement.  ``since`` /
     ``until`` gate it to transformers releases (``until`` exclusive); outside them it is skipped with ``why``.
     A ``required`` target missing from an in-range release is warned about; an optional one is skipped.
     """
@@ -142,12 +143,14 @@ GPT_NEO = _standard(
     "GPT-Neo",
     "GPTNeoModel",
     "GPTNeoForCausalLM",
+    # a local layer over a static cache takes its window at the tokens' slots (neofix._families.gpt_neo); before
+    # 4.45 GPT-Neo's attention layers get their own (key, value) pair, never a static cache
     Target(
         "GPTNeoSelfAttention",
         "forward",
-        wrapper="",
-        why="GPTNeoModel.forward reads every layer's cache length and refuses an uneven cache before any layer "
-        "runs, so the eager attention layers need no check of their own",
+        wrapper="make_static_window_forward",
+        since="4.45",
+        why="before 4.45 GPT-Neo's attention layers take no cache object, so no static cache reaches them",
     ),
     Target("GPTNeoFlashAttention2", "forward", wrapper="make_flash_attention_forward", since="4.36"),
     _float64_mask("_prepare_4d_causal_attention_mask", "GPT-Neo", "4.36", "4.45"),

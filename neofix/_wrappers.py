@@ -95,7 +95,7 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
         eager = traced != COMPILING
         if eager and _reports.pending:
             _reports.poll()  # position reports of earlier steps, read once their copies have landed (never waiting)
-        limits = model_limits(self, adapter)
+        limits = model_limits(self, adapter) if eager else adapter.limits(self.config)  # (compiled: constants)
         view = _read_cache(self, call, adapter, eager)
         step = _step_inputs(call)
         kept, facts = _keeps_every_rule(step, view, limits, adapter) if eager and not _reports.listeners else _NO
@@ -230,6 +230,8 @@ def model_limits(model: Any, adapter: Adapter) -> Limits:
     read (one comparison of its attributes, in C; reading them through the config costs microseconds each on 5.x).
     Configs are edited by assigning attributes (``resize_token_embeddings`` sets ``vocab_size``), so a model edited
     between two calls is judged as it is.  The model's layers are counted on every call (the adapter's ``layers``).
+    Eager calls only: inside ``torch.compile`` the config is read directly (dynamo makes its values constants, and a
+    registry written during a compiled call would be a guard that fails on the next: one more compilation).
     """
     config = model.config
     attributes = _stored(config, "__dict__")

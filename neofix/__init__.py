@@ -1,7 +1,7 @@
-"""neofix: cached decoding in Hugging Face transformers, correct at every step, for seven decoder families.
+"""neofix: cached decoding in Hugging Face transformers, correct at every step, for eight decoder families.
 
-``import neofix`` registers a patch on transformers' GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT and BLOOM (each
-applied when transformers loads that family's modeling module, or at once if it already has).  On every forward step the attention mask is made to cover the cached plus the new tokens,
+``import neofix`` registers a patch on transformers' GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM and Llama
+(each applied when transformers loads that family's modeling module, or at once if it already has).  On every forward step the attention mask is made to cover the cached plus the new tokens,
 position ids are derived from the mask and advance by one per real token, and the KV cache, mask, positions and
 inputs are validated against each other.  What can be repaired is repaired (with a one-time
 :class:`NeofixWarning`); what cannot raises :class:`NeofixError`, a ``ValueError`` naming the lengths involved.

@@ -141,6 +141,17 @@ FAMILY_CONFIGS["bloom"] = (
     dict(_COMMON, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0, initializer_range=0.3),
 )
 
+#: Llama: rotary positions, grouped-query attention (4 query heads share 2 key-value heads), 64 positions
+#: (``max_position_embeddings``: no table, the rotary embedding extrapolates).
+FAMILY_CONFIGS["llama"] = (
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    dict(
+        _COMMON, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, attention_dropout=0.0, initializer_range=0.3,
+    ),
+)
+
 
 def tiny_config(family: str = "gpt_neo", **overrides: Any) -> Any:
     """The config of a tiny model of ``family`` (a key of :data:`FAMILY_CONFIGS`), with ``overrides``."""

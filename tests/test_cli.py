@@ -66,8 +66,8 @@ def test_the_top_level_help_names_every_family():
     done = neofix_command("--help")
     assert done.returncode == 0, done
     text = " ".join(done.stdout.split())
-    assert "correct at every step, for seven decoder families" in text
-    assert len(FAMILIES) == 7, "the --help texts, README and docs say seven families"
+    assert "correct at every step, for eight decoder families" in text
+    assert len(FAMILIES) == 8, "the --help texts, README and docs say eight families"
     for family in FAMILIES.values():
         assert family.title in _cli.DESCRIPTION, family.title
 
@@ -99,9 +99,12 @@ def test_the_doctors_help_counts_its_scenarios():
 
 def test_an_unknown_family_is_a_usage_error():
     """Exit status 2, as the help says, before torch is imported (torch-free)."""
-    done = neofix_command("doctor", "--family", "llama")
+    done = neofix_command("doctor", "--family", "mistral")
     assert done.returncode == 2, done
-    assert "--family llama: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom" in done.stderr
+    assert (
+        "--family mistral: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom, llama"
+        in done.stderr
+    )
 
 
 def test_a_folder_without_a_checkpoint_is_a_usage_error(tmp_path):

@@ -336,10 +336,11 @@ def test_a_bloom_cache_of_other_heads_is_refused_naming_them():
         assert str(error) == expected
 
 
-#: Per family: the config attribute of its head count.
+#: Per family: the config attributes of its head counts (Llama: its query heads and its key-value heads).
 HEADS = {
-    "gpt_neo": "num_heads", "gpt2": "n_head", "gptj": "n_head", "codegen": "n_head", "gpt_neox": "num_attention_heads",
-    "opt": "num_attention_heads", "bloom": "n_head",
+    "gpt_neo": ("num_heads",), "gpt2": ("n_head",), "gptj": ("n_head",), "codegen": ("n_head",),
+    "gpt_neox": ("num_attention_heads",), "opt": ("num_attention_heads",), "bloom": ("n_head",),
+    "llama": ("num_attention_heads", "num_key_value_heads"),
 }
 
 
@@ -348,11 +349,13 @@ def test_a_decode_step_on_another_models_cache_is_refused(family, adapter, lm32)
     8 heads of width 4 (this one has 4 of width 8): refused before the model runs, naming both layouts.  The usual
     decode step skips alignment (the fast path), and must not skip this check: vanilla fails inside attention with
     a tensor size mismatch, or, with the cache object a model returns, did so through neofix too."""
-    other = tiny_model(family, seed=1, **{HEADS[family]: 8})
+    other = tiny_model(family, seed=1, **dict.fromkeys(HEADS[family], 8))
     ids = torch.ones(2, 4, dtype=torch.long)
+    limits = adapter.limits(lm32.config)  # the key-value heads of the cache it writes (4, or Llama's 2 of width 8)
     expected = (
-        "the cache holds keys of 8 heads of width 4, but this model has 4 heads of width 8: the cache was built by "
-        "another model. Pass the cache this model returned, or none (the prompt is then encoded again)"
+        f"the cache holds keys of 8 heads of width 4, but this model has {limits.heads} heads of width "
+        f"{limits.head_dim}: the cache was built by another model. Pass the cache this model returned, or none (the "
+        f"prompt is then encoded again)"
     )
     if getattr(sys.modules[adapter.family.adapter], "FUSED_CACHE", False):  # BLOOM up to 4.43: keys (batch * heads, head_dim, tokens)
         expected = (
@@ -670,7 +673,8 @@ def test_limits_are_the_models_own_sizes(lm32, adapter):
     embedding = lm32.get_input_embeddings()
     assert (limits.vocab_size, limits.hidden_size) == (embedding.num_embeddings, embedding.embedding_dim)
     assert {type(limits.heads), type(limits.head_dim)} == {int}  # every family's cache layout is checked
-    assert limits.heads * limits.head_dim == limits.hidden_size
+    query_heads = limits.hidden_size // limits.head_dim  # (no tiny model sets a head width of its own)
+    assert query_heads % limits.heads == 0  # every query head's keys, or a group's (Llama: grouped-query attention)
     with torch.no_grad():
         cache = output_cache(lm32(input_ids=torch.ones(2, 3, dtype=torch.long), use_cache=True))
     if not hasattr(cache, "layers"):

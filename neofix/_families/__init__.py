@@ -84,29 +84,33 @@ def _standard(
     no_stopping: str = "",
     prepare_since: str | None = None,
     prepare_why: str = "",
+    since: str | None = None,
 ) -> Family:
     """A family patched the usual way: its base model's forward and ``generate``'s entry points on its causal LM
     (input preparation, from ``prepare_since`` if given, with ``prepare_why`` for releases before it; ``generate``;
     and the stopping criteria, which neofix makes stop at a position table, unless ``no_stopping`` says why not),
-    plus ``more``.  Its modeling module is ``transformers.models.<name>.modeling_<name>``."""
+    plus ``more``.  Its modeling module is ``transformers.models.<name>.modeling_<name>``.  ``since``: the first
+    transformers release that has the family (its standard targets are gated to it)."""
+    arrived = f"transformers has {title} from {since}" if since else ""
     stopping = Target(
         causal_lm,
         "_get_stopping_criteria",
         wrapper="" if no_stopping else "make_get_stopping_criteria",
         required=not no_stopping,
-        why=no_stopping,
+        since=since,
+        why=no_stopping or arrived,
     )
     targets = (
-        Target(base_model, "forward", wrapper="make_model_forward", required=True),
+        Target(base_model, "forward", wrapper="make_model_forward", required=True, since=since, why=arrived),
         Target(
             causal_lm,
             "prepare_inputs_for_generation",
             wrapper="make_prepare_inputs_for_generation",
             required=True,
-            since=prepare_since,
-            why=prepare_why,
+            since=prepare_since or since,
+            why=prepare_why or arrived,
         ),
-        Target(causal_lm, "generate", wrapper="make_generate", required=True),
+        Target(causal_lm, "generate", wrapper="make_generate", required=True, since=since, why=arrived),
         stopping,
     )
     return Family(
@@ -189,7 +193,17 @@ BLOOM = _standard(
     "but BLOOM's keys there are (batch * heads, head_dim, tokens): it would feed the wrong tokens",
 )
 
+LLAMA = _standard(
+    "llama",
+    "Llama",
+    "LlamaModel",
+    "LlamaForCausalLM",
+    no_stopping="Llama's rotary positions extrapolate past max_position_embeddings: no generate call runs past a "
+    "table, so there is nothing to refuse",
+    since="4.28",
+)
+
 #: Every family neofix patches, by name.
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM)
+    family.name: family for family in (GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM, LLAMA)
 }

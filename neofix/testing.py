@@ -152,6 +152,13 @@ FAMILY_CONFIGS["llama"] = (
     ),
 )
 
+#: Mistral: Llama's shape with a sliding window of 4 (``sliding_window``), so that short tests cross it.
+FAMILY_CONFIGS["mistral"] = (
+    "MistralConfig",
+    "MistralForCausalLM",
+    dict(FAMILY_CONFIGS["llama"][2], sliding_window=4),
+)
+
 
 def tiny_config(family: str = "gpt_neo", **overrides: Any) -> Any:
     """The config of a tiny model of ``family`` (a key of :data:`FAMILY_CONFIGS`), with ``overrides``."""

@@ -66,8 +66,8 @@ def test_the_top_level_help_names_every_family():
     done = neofix_command("--help")
     assert done.returncode == 0, done
     text = " ".join(done.stdout.split())
-    assert "correct at every step, for eight decoder families" in text
-    assert len(FAMILIES) == 8, "the --help texts, README and docs say eight families"
+    assert "correct at every step, for nine decoder families" in text
+    assert len(FAMILIES) == 9, "the --help texts, README and docs say nine families"
     for family in FAMILIES.values():
         assert family.title in _cli.DESCRIPTION, family.title
 
@@ -99,10 +99,11 @@ def test_the_doctors_help_counts_its_scenarios():
 
 def test_an_unknown_family_is_a_usage_error():
     """Exit status 2, as the help says, before torch is imported (torch-free)."""
-    done = neofix_command("doctor", "--family", "mistral")
+    done = neofix_command("doctor", "--family", "gemma2")
     assert done.returncode == 2, done
     assert (
-        "--family mistral: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom, llama"
+        "--family gemma2: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom, llama, "
+        "mistral"
         in done.stderr
     )
 

@@ -692,7 +692,7 @@ def test_a_checkpoint_of_a_family_neofix_does_not_patch(tmp_path):
     config["architectures"] = ["BertForMaskedLM", "BertModel"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     titles = ", ".join(family.title for family in FAMILIES.values())
-    assert titles == "GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM, Llama"
+    assert titles == "GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM, Llama, Mistral"
     assert usage_error(tmp_path) == (
         f"--model {tmp_path}: this is a 'bert' checkpoint (BertForMaskedLM, BertModel), not GPT-Neo: neofix patches "
         f"{titles} (the folder's config.json says \"model_type\": 'bert')"
@@ -735,7 +735,9 @@ def test_unreadable_config_and_weights_quote_the_error(tmp_path, monkeypatch):
 def test_unknown_family_lists_the_families():
     with pytest.raises(_doctor.DoctorUsageError) as caught:
         _doctor.run(family="gpt5")
-    assert str(caught.value) == "--family gpt5: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom, llama"
+    assert str(caught.value) == (
+        "--family gpt5: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom, llama, mistral"
+    )
 
 
 def test_imports_say_nothing_below_an_error_and_logging_is_restored():

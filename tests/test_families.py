@@ -340,7 +340,7 @@ def test_a_bloom_cache_of_other_heads_is_refused_naming_them():
 HEADS = {
     "gpt_neo": ("num_heads",), "gpt2": ("n_head",), "gptj": ("n_head",), "codegen": ("n_head",),
     "gpt_neox": ("num_attention_heads",), "opt": ("num_attention_heads",), "bloom": ("n_head",),
-    "llama": ("num_attention_heads", "num_key_value_heads"),
+    "llama": ("num_attention_heads", "num_key_value_heads"), "mistral": ("num_attention_heads", "num_key_value_heads"),
 }
 
 

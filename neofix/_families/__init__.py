@@ -203,7 +203,17 @@ LLAMA = _standard(
     since="4.28",
 )
 
+MISTRAL = _standard(
+    "mistral",
+    "Mistral",
+    "MistralModel",
+    "MistralForCausalLM",
+    no_stopping="Mistral's rotary positions extrapolate past max_position_embeddings: no generate call runs past a "
+    "table, so there is nothing to refuse",
+    since="4.34",
+)
+
 #: Every family neofix patches, by name.
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM, LLAMA)
+    family.name: family for family in (GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM, LLAMA, MISTRAL)
 }

@@ -205,10 +205,12 @@ def align_mask(
     A 3D or 4D mask is the model's own attention mask (transformers builds one for static caches): one row per new
     token, and one column per cached plus new token, or per slot of a static cache.
     """
-    if mask is None:
-        return None, False
+    if mask is None or isinstance(mask, dict):  # a dict: 5.x generate's prepared masks, one per layer type (used as
+        return mask, False  # given, as a 4D mask: the model's own, with layers of different widths)
     dims = mask.dim()
     if dims == 2:
+        if total is None and cache.capacity is not None and mask.shape[1] > cache.capacity:
+            _raise_past_capacity(mask.shape[1], cache.capacity)
         return _align_padding_mask(mask, batch, new, cache.length, total, strict, repairs), True
     if dims in (3, 4):
         _check_model_mask(mask, dims, batch, new, cache, total)
@@ -274,6 +276,16 @@ def _readings_agree(mask: Any, total: int) -> bool:
     if mask.shape[1] > total:
         return bool(torch.equal(mask[:, :total], mask[:, -total:]))
     return bool((mask == 1).all())
+
+
+def _raise_past_capacity(columns: int, capacity: int) -> None:
+    """Refuse a 2D mask of more tokens than a static cache has slots: the step cannot fit in it."""
+    raise CacheLengthError(
+        f"attention_mask has {columns} columns, but the cache is a static cache of {capacity} slots: the cached and "
+        f"the new tokens cannot fit (a model that builds its own static cache when none is passed, as Gemma2 and "
+        f"Gemma3 do before transformers 4.53, makes it as long as the prompt). Pass a cache with room for every "
+        f"token (max_cache_len) from the first step, or decode with generate()"
+    )
 
 
 def _check_model_mask(mask: Any, dims: int, batch: int, new: int, cache: CacheView, total: int | None) -> None:

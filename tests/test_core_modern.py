@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neofix import CacheLengthError
+from neofix import CacheLengthError, PositionError
 from neofix._core import CacheView, Limits, Policy, Positions, StepInputs, align
 
 LIMITS = Limits(max_positions=None, vocab_size=96, hidden_size=32, heads=2, head_dim=8)
@@ -21,6 +21,48 @@ def _cache(past, batch=3):
 
 def _step(positions=None, mask=MASK, new=1, cache_position=None, batch=3):
     return StepInputs(torch.ones(batch, new, dtype=torch.long), None, mask, positions, None, cache_position)
+
+
+# -- rotary positions after a cache ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ([[3], [3], [3]], [[3], [3], [3]]),  # the column (transformers' own, counting the pads): kept
+        ([[3], [1], [2]], [[3], [1], [2]]),  # the mask's: kept
+        ([[2], [0], [1]], [[3], [1], [2]]),  # not advanced, per row (the mask's scheme): the mask's
+        ([[2], [2], [2]], [[3], [3], [3]]),  # not advanced, shared by differently padded rows: the column
+        ([[2]], [[3], [3], [3]]),  # one row for all: the column
+        ([[3], [1], [1]], [[3], [1], [2]]),  # the mask's but for one row: that row repaired
+    ],
+)
+def test_rotary_positions_after_a_cache_keep_either_scheme_and_repair_the_rest(given, expected):
+    aligned = align(_step(torch.tensor(given)), _cache(3), LIMITS, ROTARY)
+    assert torch.broadcast_to(aligned.position_ids, (3, 1)).tolist() == expected
+    # a decode step: compared and repaired on the device, nothing read; the report is read when that costs nothing
+    assert bool(aligned.report.wrong.any()) == (given != expected)
+    assert aligned.repairs == ()
+
+
+def test_a_rotary_chunk_after_a_cache_is_read_and_repaired_at_once():
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    aligned = align(_step(torch.tensor([[1, 1], [0, 0]]), mask, new=2, batch=2), _cache(3, 2), LIMITS, ROTARY)
+    assert aligned.position_ids.tolist() == [[3, 4], [2, 3]]
+    assert aligned.repair_kinds == ("position_values_repaired",)
+
+
+def test_rotary_positions_that_do_not_advance_are_a_position_error_in_strict_mode():
+    with pytest.raises(PositionError, match=r"^position_ids\[0, 0\] is 2 at the step after 3 cached tokens"):
+        align(_step(torch.tensor([[2], [0], [1]])), _cache(3), LIMITS, Policy(strict=True, positions=Positions.ROTARY))
+
+
+def test_rotary_positions_are_left_alone_without_a_cache_and_where_generate_made_them():
+    aligned = align(_step(torch.tensor([[0, 0, 0, 0]] * 3), new=4), _cache(0), LIMITS, ROTARY)
+    assert aligned.position_ids.tolist() == [[0, 0, 0, 0]] * 3  # no cache: any scheme (packed documents)
+    trusted = Policy(positions=Positions.ROTARY, trusted_positions=True)
+    aligned = align(_step(torch.tensor([[2], [0], [1]])), _cache(3), LIMITS, trusted)
+    assert aligned.position_ids.tolist() == [[2], [0], [1]] and aligned.report is None
 
 
 # -- masks against a static cache; 5.x's mask dicts ------------------------------------------------------------------

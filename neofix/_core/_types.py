@@ -26,10 +26,12 @@ class Positions(enum.Enum):
       derived from the mask; given ones are compared with the mask's; stale ones are derived again.
     * ``MASK`` (OPT): absolute, but the model derives missing ones from the mask itself.  Given ones are compared
       with the mask's; stale ones are dropped (the model derives them).
-    * ``ROTARY`` (GPT-J, CodeGen, GPT-NeoX): only differences matter, so transformers' own positions (which count
-      left padding) are as right as the mask's, and a cache built with either must be continued with the same: given
-      positions are left as they are, missing ones left to the model; stale ones cannot be told apart from either
-      scheme: an error.
+    * ``ROTARY`` (GPT-J, CodeGen, GPT-NeoX, Llama and the modern decoders): only differences matter, so
+      transformers' own positions (which count left padding) are as right as the mask's, and a cache built with
+      either must be continued with the same: missing positions are left to the model; given ones are left as they
+      are where they are either scheme's, and after a cache repaired where they are neither (positions that do not
+      advance, see :func:`~neofix._core._values.rotary_truth`); stale ones cannot be told apart from either scheme:
+      an error.
     * ``NONE`` (BLOOM, ALiBi): the model takes no positions; they are left alone.
     """
 

@@ -70,11 +70,16 @@ def settle(step: ValueStep, limits: Limits, policy: Policy, repairs: list[Repair
         step.given and kind.compared and not step.model_mask and (not policy.trusted_positions or step.past == 0)
     )
     derive = not step.given and kind is Positions.ABSOLUTE and step.mask is not None
+    decode = step.new == 1 and step.past != 0
+    report = None
+    if step.given and kind is Positions.ROTARY and step.past and not step.model_mask and not policy.trusted_positions:
+        positions, report = _settle_rotary(step, policy, decode, repairs)
+        step = step._replace(positions=positions)
     if policy.compiling:  # nothing read, nothing reported: the same positions, from shapes and on the device
         return Settled(_positions_on_device(step, compare, derive), False, None, ())
-    decode = step.new == 1 and step.past != 0
     if decode and not policy.check_values and not (compare and policy.strict):
-        return _settle_without_reading(step, compare, derive, repairs)
+        settled = _settle_without_reading(step, compare, derive, repairs)
+        return settled if report is None else settled._replace(report=report)
     if any(tensor is not None and not tensor.numel() for tensor in (step.input_ids, step.positions, step.mask)):
         return Settled(step.positions, False, None, ())  # no rows: nothing to read (transformers runs or refuses it)
     question = Question(
@@ -91,6 +96,43 @@ def settle(step: ValueStep, limits: Limits, policy: Policy, repairs: list[Repair
     check_values(facts, step, limits)
     positions = _positions_from(facts, step, compare, derive, policy, repairs)
     return Settled(positions, True, None, facts.right_padded if step.past == 0 else ())
+
+
+def rotary_truth(positions: torch.Tensor, mask: Any, new: int, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(target, wrong)`` for rotary positions given after a cache of ``past`` tokens (computed on the device).
+
+    Only differences matter, so a cache built with transformers' own positions (a token's column, counting left
+    padding) and one built with the mask's (real tokens before it) are both right, and a step continues either: the
+    given positions are right when every real token's is its column's, or every one's is the mask's.  Else (a loop
+    that does not advance its positions, or passes the same one at every step) the real tokens whose position is not
+    ``target``'s are ``wrong``, ``target`` being the scheme the rows agree on: one position shared by rows whose mask positions differ counts columns (a shared ``arange``); else the
+    mask's (per row, as generate builds them).  Without a mask every token is real and both schemes are the column.
+    """
+    column = torch.arange(past, past + new, device=positions.device).unsqueeze(0)
+    if positions.dim() == 1:  # one row for every row
+        positions = positions.unsqueeze(0)
+    if mask is None:
+        return column, positions != column
+    derived = mask.long().cumsum(-1)[:, -new:] - 1
+    real = mask[:, -new:] != 0
+    either = (~real | (positions == column)).all() | (~real | (positions == derived)).all()  # one scheme, every row
+    shared = (positions == positions[:1]).all() & (derived != derived[:1]).any()
+    target = torch.where(shared, column, derived)
+    return target, real & (positions != target) & ~either
+
+
+def _settle_rotary(step: ValueStep, policy: Policy, decode: bool, repairs: list[Repair]) -> tuple[Any, Report | None]:
+    """Rotary positions given after a cache: repaired where they are neither scheme's (:func:`rotary_truth`); on a
+    decode step on the device without a read (a :class:`Report` for the caller), else read at once (strict:
+    :class:`PositionError`)."""
+    positions, mask, past = step.positions, step.mask, step.past
+    target, wrong = rotary_truth(positions, mask, step.new, past)  # type: ignore[arg-type]
+    if policy.compiling or (decode and not policy.check_values and not policy.strict):
+        repaired = torch.where(wrong, target, positions)
+        return repaired, None if policy.compiling else Report(wrong, positions, target, past, mask is not None)
+    if not bool(wrong.any()):
+        return positions, None
+    return _repair_cached(positions, target, wrong, past, mask is not None, policy.strict, repairs), None
 
 
 def check_values(facts: Facts, step: ValueStep, limits: Limits) -> None:

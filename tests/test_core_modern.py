@@ -65,6 +65,28 @@ def test_rotary_positions_are_left_alone_without_a_cache_and_where_generate_made
     assert aligned.position_ids.tolist() == [[2], [0], [1]] and aligned.report is None
 
 
+# -- cache_position ------------------------------------------------------------------------------------------------
+
+
+def test_a_right_cache_position_is_passed_on_as_given():
+    given = torch.tensor([3])
+    assert align(_step(cache_position=given), _cache(3), LIMITS, ROTARY).cache_position is given
+
+
+def test_a_cache_position_that_does_not_advance_is_replaced_and_said():
+    aligned = align(_step(cache_position=torch.tensor([2])), _cache(3), LIMITS, ROTARY)
+    assert aligned.cache_position.tolist() == [3]
+    assert aligned.repair_kinds == ("cache_position_repaired",)
+    with pytest.raises(PositionError, match=r"^cache_position is \[2\] at a step after 3 cached tokens"):
+        align(_step(cache_position=torch.tensor([2])), _cache(3), LIMITS, Policy(strict=True))
+
+
+def test_cache_position_is_left_alone_where_the_caches_length_cannot_be_told():
+    static = CacheView(None, 3, None, 16, 2, 8, "static")
+    given = torch.tensor([9])
+    assert align(_step(cache_position=given), static, LIMITS, ROTARY).cache_position is given
+
+
 # -- masks against a static cache; 5.x's mask dicts ------------------------------------------------------------------
 
 

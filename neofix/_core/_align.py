@@ -49,7 +49,7 @@ from ._types import (
     Repair,
     StepInputs,
 )
-from ._values import FIX_POSITIONS, ValueStep, settle
+from ._values import FIX_POSITIONS, ValueStep, settle, settle_cache_position
 
 FIX_MASK = "append a column of ones per new token (torch.cat([mask, mask.new_ones(batch, new_tokens)], -1))"
 
@@ -81,6 +81,7 @@ def align(step: StepInputs, cache: CacheView, limits: Limits, policy: Policy = P
     repairs: list[Repair] = []
     mask, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs)
     token_types, cache_position = align_side_inputs(step, new, total, strict, repairs)
+    cache_position = settle_cache_position(cache_position, cache.length, new, policy, repairs)
     first = step.input_ids if step.input_ids is not None else step.inputs_embeds
     model_mask = mask is not None and not mask_2d
     positions, given = align_positions(

@@ -16,6 +16,7 @@ POSITION_VALUES = "position_values_repaired"  # a cached step's positions disagr
 POSITIONS_COUNT_PADDING = "positions_count_padding"  # prefill: arange over a left-padded row; re-derived
 TOKEN_TYPES_SLICED = "token_type_ids_sliced"
 CACHE_POSITION_DROPPED = "cache_position_dropped"
+CACHE_POSITION_VALUES = "cache_position_repaired"  # cache_position not arange(p, p + q) after a cache: replaced
 MASK_SLICED = "mask_sliced"  # a mask longer than cached plus new tokens whose every reading agrees: sliced (silent)
 
 

@@ -22,6 +22,7 @@ from .._errors import MaskValueError, PositionError, TokenIdError
 from . import _reads
 from ._reads import Facts, Question, step_truth
 from ._types import (
+    CACHE_POSITION_VALUES,
     POSITION_VALUES,
     POSITIONS_COUNT_PADDING,
     POSITIONS_DERIVED,
@@ -133,6 +134,31 @@ def _settle_rotary(step: ValueStep, policy: Policy, decode: bool, repairs: list[
     if not bool(wrong.any()):
         return positions, None
     return _repair_cached(positions, target, wrong, past, mask is not None, policy.strict, repairs), None
+
+
+def settle_cache_position(cache_position: Any, past: int | None, new: int, policy: Policy, repairs: list[Repair]) -> Any:
+    """``cache_position`` after a cache of ``past`` tokens must be ``arange(past, past + new)``: the releases that take
+    it (4.36 - 4.57) build the causal mask and, without positions, the positions from it.  One that is not (a loop
+    that does not advance it) is replaced: on an accelerator's decode step on the device and unread (the values are
+    known from shapes; a right one is replaced by the same values), else read at once and said once (strict:
+    :class:`PositionError`).  Untouched where the cache's length cannot be told (static caches)."""
+    if cache_position is None or not past or cache_position.dim() != 1:
+        return cache_position
+    right = torch.arange(past, past + new, device=cache_position.device)
+    if policy.compiling or not (cache_position.is_cpu or policy.strict or policy.check_values):
+        return right
+    given = cache_position.tolist()
+    if given == list(range(past, past + new)):
+        return cache_position
+    described = (
+        f"cache_position is {given if new <= 4 else given[:4] + ['...']} at a step after {past} cached tokens, but "
+        f"this step's tokens are at {past} to {past + new - 1} of the cache"
+    )
+    fix = "pass cache_position = torch.arange(cached, cached + new_tokens), or leave it out (the model counts it)"
+    if policy.strict:
+        raise PositionError(f"{described}: {fix}")
+    repairs.append(Repair(CACHE_POSITION_VALUES, f"neofix: {described}; used those. To fix your loop: {fix}. Reported once."))
+    return right
 
 
 def check_values(facts: Facts, step: ValueStep, limits: Limits) -> None:

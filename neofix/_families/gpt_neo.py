@@ -14,7 +14,7 @@ from . import GPT_NEO
 from ._contract import Adapter, make_layers, make_limits
 
 
-def check_step(model: Any, cache: CacheView) -> None:
+def check_step(model: Any, cache: CacheView, call: Any = None) -> None:
     """GPT-Neo's own limit: its local attention layers slice their window out of a causal buffer at the cache's
     last slot, which is the token's position only for a cache that grows.  With a static cache of more slots than the
     window, local layers would attend to the wrong tokens (vanilla transformers silently gives wrong tokens)."""

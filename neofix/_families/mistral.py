@@ -10,7 +10,7 @@ sliding window (``config.sliding_window``: each token attends to the last ``slid
   ``sliding_window - 1`` keys but count every token (``get_seq_length``), so the cache's length read from it is the
   sequence's, as the step contract needs.  A static cache (``generate(cache_implementation="static")``) holds
   ``sliding_window`` slots per layer, and the 4D mask of a prefill longer than that spans the prefill's own keys: see
-  :func:`read_cache`.
+  :func:`~neofix._families._contract.read_window_cache`.
 * A hand loop's cached steps, chunked prefills and ``generate`` cross the window and equal the full recompute, which
   applies the same window.
 * Legacy tuple caches: converted up to 4.47, rejected from 4.48 (read in the 4.47.1 and 4.48.0 sources, as for
@@ -21,38 +21,18 @@ sliding window (``config.sliding_window``: each token attends to the last ``slid
 
 from __future__ import annotations
 
-from typing import Any
-
-from .. import _caches, _compat
-from .._core import CacheView, Positions
+from .. import _compat
+from .._core import Positions
 from . import MISTRAL
-from ._contract import Adapter, make_layers
+from ._contract import Adapter, make_layers, read_window_cache
 from .llama import limits  # Llama's: no position table, the key-value heads of head_dim each
-
-
-def read_cache(cache: Any, layers: int) -> CacheView:
-    """What a cache holds (:func:`neofix._caches.read`), except a static cache of sliding-window layers (5.x, as
-    ``generate(cache_implementation="static")`` builds for a model with ``sliding_window``): its slots are as many as
-    the window, but the 4D mask transformers builds spans the prefill's own keys where the prefill is longer; which
-    width a step's mask has is the layer's business, so no capacity is given to check it against (the mask is used as
-    given)."""
-    view = _caches.read(cache, layers)
-    if view.capacity is not None and "SlidingWindow" in type(_first_layer(cache)).__name__:
-        return view._replace(capacity=None)
-    return view
-
-
-def _first_layer(cache: Any) -> Any:
-    cache_layers = getattr(cache, "layers", None)
-    return cache_layers[0] if isinstance(cache_layers, list) and cache_layers else cache
-
 
 ADAPTER = Adapter(
     family=MISTRAL,
     positions=Positions.ROTARY,
     limits=limits,
     layers=make_layers("layers"),  # MistralModel's decoder layers
-    read_cache=read_cache,
+    read_cache=read_window_cache,
     # the window is the attention's own (its mask, or its sliding-window cache layers): no check of its own.  Legacy
     # tuple caches fail from 4.48 (4.45 converts them with a deprecation warning)
     legacy_cache_rejected=_compat.release() >= (4, 48),

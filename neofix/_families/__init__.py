@@ -193,27 +193,44 @@ BLOOM = _standard(
     "but BLOOM's keys there are (batch * heads, head_dim, tokens): it would feed the wrong tokens",
 )
 
-LLAMA = _standard(
-    "llama",
-    "Llama",
-    "LlamaModel",
-    "LlamaForCausalLM",
-    no_stopping="Llama's rotary positions extrapolate past max_position_embeddings: no generate call runs past a "
-    "table, so there is nothing to refuse",
-    since="4.28",
-)
+def _rotary(name: str, title: str, base_model: str, causal_lm: str, since: str) -> Family:
+    """A decoder of Llama's kind (rotary positions, no position table) that arrived in transformers ``since``."""
+    return _standard(
+        name,
+        title,
+        base_model,
+        causal_lm,
+        no_stopping=f"{title}'s rotary positions extrapolate past max_position_embeddings: no generate call runs past "
+        "a table, so there is nothing to refuse",
+        since=since,
+    )
 
-MISTRAL = _standard(
-    "mistral",
-    "Mistral",
-    "MistralModel",
-    "MistralForCausalLM",
-    no_stopping="Mistral's rotary positions extrapolate past max_position_embeddings: no generate call runs past a "
-    "table, so there is nothing to refuse",
-    since="4.34",
-)
+
+LLAMA = _rotary("llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28")
+MISTRAL = _rotary("mistral", "Mistral", "MistralModel", "MistralForCausalLM", "4.34")
+QWEN2 = _rotary("qwen2", "Qwen2", "Qwen2Model", "Qwen2ForCausalLM", "4.37")
+QWEN3 = _rotary("qwen3", "Qwen3", "Qwen3Model", "Qwen3ForCausalLM", "4.51")
+GEMMA2 = _rotary("gemma2", "Gemma2", "Gemma2Model", "Gemma2ForCausalLM", "4.42")
+GEMMA3 = _rotary("gemma3", "Gemma3", "Gemma3TextModel", "Gemma3ForCausalLM", "4.50")
+PHI3 = _rotary("phi3", "Phi3", "Phi3Model", "Phi3ForCausalLM", "4.40")
 
 #: Every family neofix patches, by name.
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM, LLAMA, MISTRAL)
+    family.name: family
+    for family in (GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3)
 }
+
+_COUNTS = dict(enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+                         "sixteen seventeen eighteen nineteen twenty".split()))
+
+
+def count_in_words() -> str:
+    """How many families neofix patches, in words ("fourteen"): what the help texts and the docs say."""
+    return _COUNTS.get(len(FAMILIES), str(len(FAMILIES)))
+
+
+def titles() -> str:
+    """The families' titles in registry order, as a sentence lists them: "GPT-Neo, GPT-2, ... and Phi3"."""
+    names = [family.title for family in FAMILIES.values()]
+    return ", ".join(names[:-1]) + " and " + names[-1]
+

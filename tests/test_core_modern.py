@@ -37,11 +37,19 @@ def _step(positions=None, mask=MASK, new=1, cache_position=None, batch=3):
         ([[3], [1], [1]], [[3], [1], [2]]),  # the mask's but for one row: that row repaired
     ],
 )
-def test_rotary_positions_after_a_cache_keep_either_scheme_and_repair_the_rest(given, expected):
-    aligned = align(_step(torch.tensor(given)), _cache(3), LIMITS, ROTARY)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_rotary_positions_after_a_cache_keep_either_scheme_and_repair_the_rest(given, expected, on_device):
+    """On the host (CPU memory) right positions are read with a list scan and passed on as given; wrong ones, and
+    every decode step on a device, are compared and repaired on the device, nothing read (a report, read later)."""
+    from ._sync import device_reads
+
+    with device_reads(on_device):
+        aligned = align(_step(torch.tensor(given)), _cache(3), LIMITS, ROTARY)
     assert torch.broadcast_to(aligned.position_ids, (3, 1)).tolist() == expected
-    # a decode step: compared and repaired on the device, nothing read; the report is read when that costs nothing
-    assert bool(aligned.report.wrong.any()) == (given != expected)
+    if on_device or given != expected:
+        assert bool(aligned.report.wrong.any()) == (given != expected)
+    else:
+        assert aligned.report is None
     assert aligned.repairs == ()
 
 

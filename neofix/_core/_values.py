@@ -127,6 +127,8 @@ def _settle_rotary(step: ValueStep, policy: Policy, decode: bool, repairs: list[
     decode step on the device without a read (a :class:`Report` for the caller), else read at once (strict:
     :class:`PositionError`)."""
     positions, mask, past = step.positions, step.mask, step.past
+    if not policy.compiling and _on_host(positions, mask) and _either_scheme(positions, mask, step.new, past):
+        return positions, None  # read on the host (a list scan: nothing to wait for), and right: nothing to do
     target, wrong = rotary_truth(positions, mask, step.new, past)  # type: ignore[arg-type]
     if policy.compiling or (decode and not policy.check_values and not policy.strict):
         repaired = torch.where(wrong, target, positions)
@@ -134,6 +136,37 @@ def _settle_rotary(step: ValueStep, policy: Policy, decode: bool, repairs: list[
     if not bool(wrong.any()):
         return positions, None
     return _repair_cached(positions, target, wrong, past, mask is not None, policy.strict, repairs), None
+
+
+def _on_host(positions: Any, mask: Any) -> bool:
+    """Whether the step's values are read on the host (CPU memory: a read waits for nothing), as :mod:`._reads`
+    chooses its reader."""
+    return _reads.reader_for(Question(None, None, positions, False, False, mask, 0, None)) is _reads.read_on_host
+
+
+def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int) -> bool:
+    """:func:`rotary_truth`'s "right" on the host: every real token's given position is its column's, or every one's
+    is the mask's (list scans of the positions and the mask)."""
+    given = positions.tolist()
+    if positions.dim() == 1:
+        given = [given]
+    column = list(range(past, past + new))
+    if mask is None:
+        return all(row == column for row in given)
+    rows = mask.tolist()
+    if len(given) == 1:
+        given = given * len(rows)
+    as_columns = as_mask = True
+    for row, values in zip(rows, given):
+        before = sum(row[:-new]) if len(row) > new else 0
+        for value, flag, at in zip(values, row[-new:], column):
+            before += flag
+            if flag:
+                as_columns = as_columns and value == at
+                as_mask = as_mask and value == before - 1
+        if not (as_columns or as_mask):
+            return False
+    return True
 
 
 def settle_cache_position(cache_position: Any, past: int | None, new: int, policy: Policy, repairs: list[Repair]) -> Any:
@@ -144,9 +177,8 @@ def settle_cache_position(cache_position: Any, past: int | None, new: int, polic
     :class:`PositionError`).  Untouched where the cache's length cannot be told (static caches)."""
     if cache_position is None or not past or cache_position.dim() != 1:
         return cache_position
-    right = torch.arange(past, past + new, device=cache_position.device)
-    if policy.compiling or not (cache_position.is_cpu or policy.strict or policy.check_values):
-        return right
+    if policy.compiling or not (_on_host(cache_position, None) or policy.strict or policy.check_values):
+        return torch.arange(past, past + new, device=cache_position.device)
     given = cache_position.tolist()
     if given == list(range(past, past + new)):
         return cache_position
@@ -158,7 +190,7 @@ def settle_cache_position(cache_position: Any, past: int | None, new: int, polic
     if policy.strict:
         raise PositionError(f"{described}: {fix}")
     repairs.append(Repair(CACHE_POSITION_VALUES, f"neofix: {described}; used those. To fix your loop: {fix}. Reported once."))
-    return right
+    return torch.arange(past, past + new, device=cache_position.device)
 
 
 def check_values(facts: Facts, step: ValueStep, limits: Limits) -> None:

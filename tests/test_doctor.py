@@ -535,15 +535,17 @@ def test_run_checks_the_chosen_family(monkeypatch):
 
 def test_rotary_family_runs_the_scenarios_that_apply_to_it(monkeypatch):
     """GPT-NeoX (rotary positions): stale position_ids must raise PositionError (nothing tells which positions the
-    cache was built with; where this release's GPT-NeoX takes no position_ids the scenario does not apply), the arange
-    and frozen position loops do not apply; the scenarios after them still run."""
+    cache was built with; where this release's GPT-NeoX takes no position_ids the scenario does not apply), a loop not
+    incrementing them is repaired, the arange loop does not apply; the scenarios after them still run."""
     keys = ("stale_positions", "arange_positions", "frozen_positions", "chunked_prefill")
     monkeypatch.setattr(_scenarios, "SCENARIOS", scenarios(*keys))
     report = _doctor.run(family="gpt_neox", others=False)
     takes = "position_ids" in inspect.signature(type(tiny_model("gpt_neox")).forward).parameters  # not on 4.26
     stale = [("stale_positions", "clear error: PositionError", True)] if takes else []
+    frozen = [("frozen_positions", "reference tokens", True)] if takes else []
     assert [(row.key, row.expected, row.right) for row in report.rows] == [
         *stale,
+        *frozen,
         ("chunked_prefill", "reference tokens", True),
     ]
 
@@ -692,7 +694,7 @@ def test_a_checkpoint_of_a_family_neofix_does_not_patch(tmp_path):
     config["architectures"] = ["BertForMaskedLM", "BertModel"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     titles = ", ".join(family.title for family in FAMILIES.values())
-    assert titles == "GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM, Llama, Mistral"
+    assert titles.startswith("GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM, Llama, Mistral, Qwen2")
     assert usage_error(tmp_path) == (
         f"--model {tmp_path}: this is a 'bert' checkpoint (BertForMaskedLM, BertModel), not GPT-Neo: neofix patches "
         f"{titles} (the folder's config.json says \"model_type\": 'bert')"
@@ -735,9 +737,7 @@ def test_unreadable_config_and_weights_quote_the_error(tmp_path, monkeypatch):
 def test_unknown_family_lists_the_families():
     with pytest.raises(_doctor.DoctorUsageError) as caught:
         _doctor.run(family="gpt5")
-    assert str(caught.value) == (
-        "--family gpt5: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom, llama, mistral"
-    )
+    assert str(caught.value) == f"--family gpt5: no such family; choose from {', '.join(FAMILIES)}"
 
 
 def test_imports_say_nothing_below_an_error_and_logging_is_restored():

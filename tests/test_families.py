@@ -542,8 +542,10 @@ def test_torch_export_is_identical_to_vanilla(lm32):
 
 def test_classification_head_is_identical_to_vanilla(family):
     """A sequence-classification head on an unpadded and a right-padded batch: bit-identical logits and loss."""
-    head_class = getattr(transformers, FAMILY_CONFIGS[family][1].replace("ForCausalLM", "ForSequenceClassification")
-                         .replace("LMHeadModel", "ForSequenceClassification"), None)
+    name = FAMILY_CONFIGS[family][1].replace("ForCausalLM", "ForSequenceClassification")
+    # Gemma3ForSequenceClassification is the multimodal model's (it reads a vision_config): the text model has its own
+    name = {"Gemma3ForSequenceClassification": "Gemma3TextForSequenceClassification"}.get(name, name)
+    head_class = getattr(transformers, name.replace("LMHeadModel", "ForSequenceClassification"), None)
     if head_class is None:
         pytest.skip(f"transformers has no sequence-classification head for {family}")
     torch.manual_seed(0)

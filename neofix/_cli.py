@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from typing import Sequence
 
+from . import _families
 from ._version import __version__
 
-DESCRIPTION = """\
-neofix makes cached decoding in Hugging Face transformers correct at every step, for seven
-decoder families: GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT and BLOOM.
-`import neofix` is all a program needs; this command checks an installation."""
+DESCRIPTION = textwrap.fill(
+    f"neofix makes cached decoding in Hugging Face transformers correct at every step, for "
+    f"{_families.count_in_words()} decoder families: {_families.titles()}.",
+    92,
+) + "\n`import neofix` is all a program needs; this command checks an installation."
 
 #: The number of scenarios of the full self-check (tests/test_cli.py compares it with the doctor's list).
 SCENARIO_COUNT = 13
@@ -25,7 +28,7 @@ DOCTOR_DESCRIPTION = f"""\
 Check that neofix works with the torch and transformers installed here.
 
 It prints the Python, torch, transformers and neofix versions, whether this transformers
-release is inside the range neofix is tested against, and each place in the seven
+release is inside the range neofix is tested against, and each place in the nine
 families' modeling code that neofix patches, with its state (patched / missing /
 skipped) and why. It also warns when the unrelated distribution named `neofix` is
 installed here (it shares the import name) and says how to repair that.
@@ -39,8 +42,8 @@ four kinds of invalid input, and generate() (greedy, beam search, past the posit
 with an EOS in time) - each run twice: first on vanilla transformers (neofix removed with
 neofix.unpatch()), then with neofix. Every run is compared token for token with a full
 recompute (one forward over the whole sequence, no cache). Scenarios that do not apply to
-a family are left out (BLOOM takes no position_ids; GPT-J, CodeGen and GPT-NeoX use rotary
-positions, where only their differences matter).
+a family are left out (BLOOM takes no position_ids; GPT-J, CodeGen, GPT-NeoX and the modern
+decoders from Llama on use rotary positions, where only their differences matter).
 
 The table shows, per scenario, what vanilla transformers does (an error, "wrong tokens,
 no error", or "correct") and what neofix does ("repaired", "clear error: <the
@@ -84,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--family",
         metavar="NAME",
         default="gpt_neo",
-        help="the model family whose full self-check table is shown (default gpt_neo; one of: gpt_neo, gpt2, gptj, "
-        "codegen, gpt_neox, opt, bloom); the other families get a one-line quick self-check each",
+        help=f"the model family whose full self-check table is shown (default gpt_neo; one of: "
+        f"{', '.join(_families.FAMILIES)}); the other families get a one-line quick self-check each",
     )
     doctor.add_argument(
         "--model",

@@ -140,8 +140,23 @@ def status() -> list[tuple[str, str, str]]:
                 unpatched = ("unpatched", "neofix is not applied")
             for target in family.targets:
                 name = target_name(family, target)
-                rows.append((name, *_status.get(name, unpatched)))
+                state = _status.get(name)
+                if state is None and unpatched[0] == "pending" and target.since:
+                    state = _predates(target)  # a family this release does not have: its module never loads
+                rows.append((name, *(state or unpatched)))
         return rows
+
+
+def _predates(target: Target) -> tuple[str, str] | None:
+    """``("skipped", why)`` where the installed transformers predates ``target`` (its family is absent), else None."""
+    from . import _compat
+
+    try:
+        if _compat.in_range(target.since, None):
+            return None
+        return ("skipped", f"not needed on transformers {_compat.transformers_version()}: {target.why or _gate(target)}")
+    except Exception:  # noqa: BLE001 - no readable transformers version: pending, as before
+        return None
 
 
 def _chosen(names: Any, where: str) -> frozenset[str]:

@@ -130,7 +130,7 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
         call[key] = cache = _legacy_cache(cache, model.config)
     view = NO_CACHE if cache is None else adapter.read_cache(cache, adapter.layers(model))
     if eager:
-        adapter.check_step(model, view)
+        adapter.check_step(model, view, call)
         if _RIGHT_PADDED and view.length != 0:
             _check_right_padding(call)
     return view

@@ -141,6 +141,46 @@ FAMILY_CONFIGS["bloom"] = (
     dict(_COMMON, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0, initializer_range=0.3),
 )
 
+#: Llama: rotary positions, grouped-query attention (4 query heads share 2 key-value heads), 64 positions
+#: (``max_position_embeddings``: no table, the rotary embedding extrapolates).
+FAMILY_CONFIGS["llama"] = (
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    dict(
+        _COMMON, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, attention_dropout=0.0, initializer_range=0.3,
+    ),
+)
+
+#: Mistral: Llama's shape with a sliding window of 4 (``sliding_window``), so that short tests cross it.
+FAMILY_CONFIGS["mistral"] = (
+    "MistralConfig",
+    "MistralForCausalLM",
+    dict(FAMILY_CONFIGS["llama"][2], sliding_window=4),
+)
+
+#: Qwen2: Llama's shape with biased query, key and value projections (no sliding window: ``use_sliding_window`` off).
+FAMILY_CONFIGS["qwen2"] = ("Qwen2Config", "Qwen2ForCausalLM", dict(FAMILY_CONFIGS["llama"][2]))
+#: Qwen3: Llama's shape with normalised queries and keys; ``head_dim`` set (its default is 128).
+FAMILY_CONFIGS["qwen3"] = ("Qwen3Config", "Qwen3ForCausalLM", dict(FAMILY_CONFIGS["llama"][2], head_dim=8))
+#: Gemma2: alternating sliding-window (window 4) and global layers, ``head_dim`` set (its default is 256); no final
+#: logit soft-capping, whose tanh would flatten the sharpened output layer into ties.
+_GEMMA: dict[str, Any] = dict(
+    FAMILY_CONFIGS["llama"][2], head_dim=8, sliding_window=4, query_pre_attn_scalar=8, final_logit_softcapping=None,
+)
+FAMILY_CONFIGS["gemma2"] = ("Gemma2Config", "Gemma2ForCausalLM", _GEMMA)
+#: Gemma3 (text): Gemma2's shape, a sliding layer then a global one (``sliding_window_pattern`` up to 4.52,
+#: ``layer_types`` from 4.53).
+FAMILY_CONFIGS["gemma3"] = (
+    "Gemma3TextConfig",
+    "Gemma3ForCausalLM",
+    dict(_GEMMA, sliding_window_pattern=2, layer_types=["sliding_attention", "full_attention"]),
+)
+#: Phi3: Llama's shape with fused projections (no sliding window).
+FAMILY_CONFIGS["phi3"] = (
+    "Phi3Config", "Phi3ForCausalLM", dict(FAMILY_CONFIGS["llama"][2], resid_pdrop=0.0, embd_pdrop=0.0),
+)
+
 
 def tiny_config(family: str = "gpt_neo", **overrides: Any) -> Any:
     """The config of a tiny model of ``family`` (a key of :data:`FAMILY_CONFIGS`), with ``overrides``."""

@@ -66,10 +66,11 @@ def test_the_top_level_help_names_every_family():
     done = neofix_command("--help")
     assert done.returncode == 0, done
     text = " ".join(done.stdout.split())
-    assert "correct at every step, for seven decoder families" in text
-    assert len(FAMILIES) == 7, "the --help texts, README and docs say seven families"
+    from neofix._families import count_in_words
+
+    assert f"correct at every step, for {count_in_words()} decoder families" in text
     for family in FAMILIES.values():
-        assert family.title in _cli.DESCRIPTION, family.title
+        assert family.title in text, family.title
 
 
 def test_the_doctors_help_lists_the_families_it_takes():
@@ -99,9 +100,11 @@ def test_the_doctors_help_counts_its_scenarios():
 
 def test_an_unknown_family_is_a_usage_error():
     """Exit status 2, as the help says, before torch is imported (torch-free)."""
-    done = neofix_command("doctor", "--family", "llama")
+    from neofix._families import FAMILIES
+
+    done = neofix_command("doctor", "--family", "gemma5")
     assert done.returncode == 2, done
-    assert "--family llama: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom" in done.stderr
+    assert f"--family gemma5: no such family; choose from {', '.join(FAMILIES)}" in " ".join(done.stderr.split())
 
 
 def test_a_folder_without_a_checkpoint_is_a_usage_error(tmp_path):

@@ -298,7 +298,17 @@ def test_only_positions_looked_up_in_a_table_are_compared_with_the_mask():
                         (Positions.NONE, ())]:
         aligned = align(_step(3, mask, counted, batch=2), _cache(0, 2), LIMITS, Policy(positions=kind))
         assert aligned.repair_kinds == kinds, kind
-    wrong = torch.tensor([[0]])
-    for kind, expected in [(Positions.MASK, [[1]]), (Positions.ROTARY, [[0]])]:
-        aligned = align(_step(1, torch.tensor([[0, 1, 1]]), wrong), _cache(2), LIMITS, Policy(positions=kind))
-        assert aligned.position_ids.tolist() == expected, kind
+    # after a cache, rotary positions are compared with both schemes a cache is built with (issue 38): the column
+    # (2, transformers' own, counting the pad) and the mask's (1) are kept; one that is neither is the mask's
+    for kind, given, expected in [
+        (Positions.MASK, [[0]], [[1]]),
+        (Positions.MASK, [[2]], [[1]]),
+        (Positions.ROTARY, [[0]], [[1]]),
+        (Positions.ROTARY, [[2]], [[2]]),
+        (Positions.ROTARY, [[1]], [[1]]),
+        (Positions.NONE, [[0]], [[0]]),  # left alone (the model refuses positions)
+    ]:
+        step = _step(1, torch.tensor([[0, 1, 1]]), torch.tensor(given))
+        aligned = align(step, _cache(2), LIMITS, Policy(positions=kind))
+        got = aligned.position_ids.tolist() if aligned.position_ids is not None else None
+        assert got == expected, (kind, given)

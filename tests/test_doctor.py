@@ -26,6 +26,10 @@ import neofix
 from neofix import _cli, _errors, _lifecycle
 from neofix._doctor import Cell, _scenarios, shorten_error
 from neofix._families import FAMILIES
+from neofix.testing import FAMILY_CONFIGS as _CONFIGS
+
+#: the families the installed transformers has
+HERE = [name for name in FAMILIES if hasattr(transformers, _CONFIGS[name][0])]
 from neofix.testing import tiny_gpt_neo, tiny_model
 
 from ._versions import TF_RELEASE
@@ -110,7 +114,7 @@ def test_command_prints_the_table():
     assert len(rows) == len(KEYS)
     # one line per other family, each with its quick self-check's verdicts, all right
     verdicts = [line for line in other_lines.splitlines() if "neofix verdicts right" in line]
-    assert len(verdicts) == len(FAMILIES) - 1 and all(line.endswith("  ok") for line in verdicts), other_lines
+    assert len(verdicts) == len(HERE) - 1 and all(line.endswith("  ok") for line in verdicts), other_lines
     quick = sum(int(line.split(" of ")[1].split()[0]) for line in verdicts)
     assert f"All {len(KEYS) + quick} neofix verdicts are right" in out
     assert "WRONG" not in out and "Traceback" not in done.stderr
@@ -256,7 +260,10 @@ def test_exit_status_1_when_neofix_gets_a_scenario_wrong(monkeypatch, two_scenar
     assert generate.endswith("  ok")
     # the other families' quick checks (the same two scenarios each) count too: the broken wrapper is theirs as well
     others = len(FAMILIES) - 1
-    assert re.search(rf"\b\d+ of {2 + 2 * others} neofix verdicts are WRONG", out), out
+    if len(HERE) == len(FAMILIES) and TF_RELEASE >= (4, 53):  # else families absent or Gemma's HybridCache limits
+        assert re.search(rf"\b\d+ of {2 + 2 * others} neofix verdicts are WRONG", out), out
+    else:
+        assert re.search(r"\b\d+ of \d+ neofix verdicts are WRONG", out), out
 
 
 def test_errors_are_shortened_to_one_line():
@@ -535,15 +542,17 @@ def test_run_checks_the_chosen_family(monkeypatch):
 
 def test_rotary_family_runs_the_scenarios_that_apply_to_it(monkeypatch):
     """GPT-NeoX (rotary positions): stale position_ids must raise PositionError (nothing tells which positions the
-    cache was built with; where this release's GPT-NeoX takes no position_ids the scenario does not apply), the arange
-    and frozen position loops do not apply; the scenarios after them still run."""
+    cache was built with; where this release's GPT-NeoX takes no position_ids the scenario does not apply), a loop not
+    incrementing them is repaired, the arange loop does not apply; the scenarios after them still run."""
     keys = ("stale_positions", "arange_positions", "frozen_positions", "chunked_prefill")
     monkeypatch.setattr(_scenarios, "SCENARIOS", scenarios(*keys))
     report = _doctor.run(family="gpt_neox", others=False)
     takes = "position_ids" in inspect.signature(type(tiny_model("gpt_neox")).forward).parameters  # not on 4.26
     stale = [("stale_positions", "clear error: PositionError", True)] if takes else []
+    frozen = [("frozen_positions", "reference tokens", True)] if takes else []
     assert [(row.key, row.expected, row.right) for row in report.rows] == [
         *stale,
+        *frozen,
         ("chunked_prefill", "reference tokens", True),
     ]
 
@@ -639,7 +648,11 @@ def test_a_family_this_release_cannot_load_is_skipped(monkeypatch, two_scenarios
     report = _doctor.run()
     others = dict(report.others)
     assert others["OPT"] == f"not available on this transformers (this transformers has no {opt})"
-    assert all(not isinstance(rows, str) for title, rows in others.items() if title != "OPT")
+    from neofix.testing import FAMILY_CONFIGS
+
+    here = {family.title for name, family in FAMILIES.items() if hasattr(transformers, FAMILY_CONFIGS[name][0])}
+    assert all(not isinstance(rows, str) for title, rows in others.items() if title != "OPT" and title in here)
+    assert all(rows.startswith("not available") for title, rows in others.items() if title not in here)
     assert report.exit_status == 0
 
 
@@ -692,7 +705,7 @@ def test_a_checkpoint_of_a_family_neofix_does_not_patch(tmp_path):
     config["architectures"] = ["BertForMaskedLM", "BertModel"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     titles = ", ".join(family.title for family in FAMILIES.values())
-    assert titles == "GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM"
+    assert titles.startswith("GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM, Llama, Mistral, Qwen2")
     assert usage_error(tmp_path) == (
         f"--model {tmp_path}: this is a 'bert' checkpoint (BertForMaskedLM, BertModel), not GPT-Neo: neofix patches "
         f"{titles} (the folder's config.json says \"model_type\": 'bert')"
@@ -735,7 +748,7 @@ def test_unreadable_config_and_weights_quote_the_error(tmp_path, monkeypatch):
 def test_unknown_family_lists_the_families():
     with pytest.raises(_doctor.DoctorUsageError) as caught:
         _doctor.run(family="gpt5")
-    assert str(caught.value) == "--family gpt5: no such family; choose from gpt_neo, gpt2, gptj, codegen, gpt_neox, opt, bloom"
+    assert str(caught.value) == f"--family gpt5: no such family; choose from {', '.join(FAMILIES)}"
 
 
 def test_imports_say_nothing_below_an_error_and_logging_is_restored():

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from transformers import PretrainedConfig
 
 import neofix
@@ -407,8 +408,9 @@ def test_positions_scenarios_do_not_apply_to_alibi():
 
 
 def test_positions_scenarios_on_rotary_positions():
-    """Rotary positions: only stale position_ids apply, as an error (the cache's positions cannot be told apart);
-    arange and frozen positions keep their differences, so they do not apply."""
+    """Rotary positions: stale position_ids apply as an error (the cache's positions cannot be told apart); a loop
+    that does not increment them gives neither scheme's positions and is repaired (as declared); arange positions
+    keep their differences, so they do not apply."""
     context = family_context("gptj")
     if context.positions_kind != "rotary":
         pytest.skip("GPT-J takes no position_ids on this transformers release")
@@ -416,8 +418,8 @@ def test_positions_scenarios_on_rotary_positions():
     assert stale.for_family(context) == stale._replace(
         reference=None, error=neofix.PositionError, strict_error=neofix.PositionError
     )
-    for key in ("arange_positions", "frozen_positions"):
-        assert SCENARIO[key].for_family(context) == "rotary positions: only their differences matter"
+    assert SCENARIO["arange_positions"].for_family(context) == "rotary positions: only their differences matter"
+    assert SCENARIO["frozen_positions"].for_family(context) is SCENARIO["frozen_positions"]
 
 
 def test_position_overflow_per_family():
@@ -429,3 +431,23 @@ def test_position_overflow_per_family():
     assert overflow.for_family(family_context("opt")) is overflow
     assert overflow.for_family(family_context("gpt2")) is overflow
     assert overflow.error is neofix.SequenceTooLongError and overflow.parity is False
+
+
+def test_the_gemma_hybrid_cache_releases_expect_neofixs_errors():
+    """Gemma2 up to 4.52 (Gemma3 too): the model's own HybridCache holds the prompt only, so no hand-loop scenario
+    applies; Gemma2 up to 4.47 refuses a left-padded generate (MaskValueError).  Elsewhere: as Llama."""
+    from neofix import _compat
+
+    if not hasattr(transformers, "Gemma2Config"):
+        pytest.skip("no Gemma2 on this transformers release")
+    context = family_context("gemma2")
+    stale, greedy = SCENARIO["stale_mask"], SCENARIO["generate_greedy"]
+    if _compat.release() >= (4, 53):
+        assert stale.for_family(context) is stale and greedy.for_family(context) is greedy
+        return
+    assert stale.for_family(context).startswith("the model's own HybridCache holds the prompt only")
+    if _compat.release() < (4, 48):
+        assert greedy.for_family(context) == greedy._replace(
+            reference=None, error=neofix.MaskValueError, strict_error=neofix.MaskValueError, parity=False
+        )
+

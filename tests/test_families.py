@@ -29,7 +29,7 @@ from neofix._families import FAMILIES
 from neofix.testing import FAMILY_CONFIGS, _takes_positions, reference_greedy, tiny_config, tiny_model
 
 from ._sync import HostReads
-from ._versions import cache_keyword, legacy, output_cache, requires
+from ._versions import TF_RELEASE, cache_keyword, legacy, output_cache, requires
 from .loops import decode, left_padded_batch, patched_and_vanilla
 
 STEPS = 5
@@ -60,6 +60,10 @@ def available(name):
 @pytest.fixture(scope="module", params=NAMES)
 def family(request):
     available(request.param)
+    if request.param in ("gemma2", "gemma3") and TF_RELEASE < (4, 53):
+        # these scenarios decode by hand on the model's own cache and generate left-padded batches, which Gemma2's and
+        # Gemma3's HybridCache cannot do there (vanilla neither): tests/_modern_family.py asserts neofix's errors
+        pytest.skip(f"transformers {transformers.__version__}: {request.param}'s own HybridCache holds the prompt only")
     return request.param
 
 
@@ -302,6 +306,11 @@ def test_a_cache_given_as_a_list_gets_vanillas_outcome(lm32):
         return run(lambda: model(input_ids=ids[:, -1:], attention_mask=longer, use_cache=True, **{key: cache}))[0]
 
     patched, plain = both(lm32, step)
+    if "sliding_attention" in (getattr(lm32.config, "layer_types", None) or ()) and isinstance(plain, AttributeError):
+        # Gemma2/Gemma3 (5.x): sliding layers' tuples hold only the window's keys, global layers' every token; vanilla
+        # fails on the list ('list' object has no attribute 'get_seq_length'), neofix on the layers' lengths
+        assert isinstance(patched, neofix.CacheLengthError), patched
+        return
     assert_same_outcome(*(getattr(outcome, "logits", outcome) for outcome in (patched, plain)))
 
 
@@ -336,11 +345,16 @@ def test_a_bloom_cache_of_other_heads_is_refused_naming_them():
         assert str(error) == expected
 
 
-#: Per family: the config attribute of its head count.
+#: Per family: the config attributes of its head counts (Llama: its query heads and its key-value heads).
 HEADS = {
-    "gpt_neo": "num_heads", "gpt2": "n_head", "gptj": "n_head", "codegen": "n_head", "gpt_neox": "num_attention_heads",
-    "opt": "num_attention_heads", "bloom": "n_head",
+    "gpt_neo": ("num_heads",), "gpt2": ("n_head",), "gptj": ("n_head",), "codegen": ("n_head",),
+    "gpt_neox": ("num_attention_heads",), "opt": ("num_attention_heads",), "bloom": ("n_head",),
+    **dict.fromkeys(("llama", "mistral", "qwen2", "phi3"), ("num_attention_heads", "num_key_value_heads")),
+    # head_dim set in their tiny configs: 8 heads of width 4 named as such
+    **dict.fromkeys(("qwen3", "gemma2", "gemma3"), ("num_attention_heads", "num_key_value_heads", "head_dim")),
 }
+#: The head count, or the width of a head_dim (4), of the other model.
+OTHER = {"head_dim": 4}
 
 
 def test_a_decode_step_on_another_models_cache_is_refused(family, adapter, lm32):
@@ -348,11 +362,13 @@ def test_a_decode_step_on_another_models_cache_is_refused(family, adapter, lm32)
     8 heads of width 4 (this one has 4 of width 8): refused before the model runs, naming both layouts.  The usual
     decode step skips alignment (the fast path), and must not skip this check: vanilla fails inside attention with
     a tensor size mismatch, or, with the cache object a model returns, did so through neofix too."""
-    other = tiny_model(family, seed=1, **{HEADS[family]: 8})
+    other = tiny_model(family, seed=1, **{name: OTHER.get(name, 8) for name in HEADS[family]})
     ids = torch.ones(2, 4, dtype=torch.long)
+    limits = adapter.limits(lm32.config)  # the key-value heads of the cache it writes (4, or Llama's 2 of width 8)
     expected = (
-        "the cache holds keys of 8 heads of width 4, but this model has 4 heads of width 8: the cache was built by "
-        "another model. Pass the cache this model returned, or none (the prompt is then encoded again)"
+        f"the cache holds keys of 8 heads of width 4, but this model has {limits.heads} heads of width "
+        f"{limits.head_dim}: the cache was built by another model. Pass the cache this model returned, or none (the "
+        f"prompt is then encoded again)"
     )
     if getattr(sys.modules[adapter.family.adapter], "FUSED_CACHE", False):  # BLOOM up to 4.43: keys (batch * heads, head_dim, tokens)
         expected = (
@@ -407,7 +423,11 @@ def test_generate_is_identical_to_vanilla(lm32, kwargs):
     patched, plain = both(lm32, call)
     assert torch.equal(patched, plain)
     if kwargs.get("num_beams", 1) == 1 and not kwargs.get("do_sample"):
-        assert torch.equal(patched, reference_greedy(lm32, ids, mask, STEPS))
+        # min_new_tokens suppresses the end-of-sequence token (0), which the reference does not: each row is compared
+        # up to the reference's first one (Qwen3's row 0 generates it at its fourth token)
+        for got, expected in zip(patched[:, 6:].tolist(), reference_greedy(lm32, ids, mask, STEPS)[:, 6:].tolist()):
+            ended = expected.index(0) if 0 in expected else STEPS
+            assert got[:ended] == expected[:ended]
 
 
 @requires("assisted decoding")
@@ -522,8 +542,10 @@ def test_torch_export_is_identical_to_vanilla(lm32):
 
 def test_classification_head_is_identical_to_vanilla(family):
     """A sequence-classification head on an unpadded and a right-padded batch: bit-identical logits and loss."""
-    head_class = getattr(transformers, FAMILY_CONFIGS[family][1].replace("ForCausalLM", "ForSequenceClassification")
-                         .replace("LMHeadModel", "ForSequenceClassification"), None)
+    name = FAMILY_CONFIGS[family][1].replace("ForCausalLM", "ForSequenceClassification")
+    # Gemma3ForSequenceClassification is the multimodal model's (it reads a vision_config): the text model has its own
+    name = {"Gemma3ForSequenceClassification": "Gemma3TextForSequenceClassification"}.get(name, name)
+    head_class = getattr(transformers, name.replace("LMHeadModel", "ForSequenceClassification"), None)
     if head_class is None:
         pytest.skip(f"transformers has no sequence-classification head for {family}")
     torch.manual_seed(0)
@@ -670,7 +692,8 @@ def test_limits_are_the_models_own_sizes(lm32, adapter):
     embedding = lm32.get_input_embeddings()
     assert (limits.vocab_size, limits.hidden_size) == (embedding.num_embeddings, embedding.embedding_dim)
     assert {type(limits.heads), type(limits.head_dim)} == {int}  # every family's cache layout is checked
-    assert limits.heads * limits.head_dim == limits.hidden_size
+    query_heads = limits.hidden_size // limits.head_dim  # (no tiny model sets a head width of its own)
+    assert query_heads % limits.heads == 0  # every query head's keys, or a group's (Llama: grouped-query attention)
     with torch.no_grad():
         cache = output_cache(lm32(input_ids=torch.ones(2, 3, dtype=torch.long), use_cache=True))
     if not hasattr(cache, "layers"):

@@ -59,7 +59,9 @@ from ._values import (
     positions_kept,
     read_values,
     rows_to_mark,
+    cache_position_kept,
     settle,
+    settle_cache_position,
     value_plan,
 )
 
@@ -96,6 +98,7 @@ def align(
     repairs: list[Repair] = []
     mask, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs)
     token_types, cache_position = align_side_inputs(step, new, total, strict, repairs)
+    cache_position = settle_cache_position(cache_position, cache.length, new, policy, repairs)
     first = step.input_ids if step.input_ids is not None else step.inputs_embeds
     model_mask = mask is not None and not mask_2d
     positions, given = align_positions(
@@ -129,7 +132,8 @@ def keeps_every_rule(
     without left padding (training, scoring, a prompt, a chunk).
 
     Decided by the rule functions :func:`align` applies, on shapes (:func:`ids_problem`, :func:`cache_problem`,
-    :func:`mask_rows_problem`, :func:`mask_kept`, :func:`positions_problem`, :func:`~._values.value_plan`) and, for a
+    :func:`mask_rows_problem`, :func:`mask_kept`, :func:`positions_problem`, :func:`~._values.value_plan`,
+    :func:`~._values.cache_position_kept`) and, for a
     step that reads its values, on the values read once (:func:`~._values.read_values`, judged by
     :func:`~._values.check_values`, which raises as align would, :func:`~._values.positions_kept` and
     :func:`~._values.rows_to_mark`).  So it can only spare align's work, never decide otherwise: where any rule
@@ -145,7 +149,7 @@ def keeps_every_rule(
     if not new or past is None or not batch or cache_problem(cache, batch, new, limits) is not None:
         return False, None
     if mask is not None and (
-        mask.dim() != 2 or mask_rows_problem(mask, batch) is not None or not mask_kept(mask.shape[1], past + new)
+        isinstance(mask, dict) or mask.dim() != 2 or mask_rows_problem(mask, batch) is not None or not mask_kept(mask.shape[1], past + new)
     ):
         return False, None
     if cache_position is not None and cache_position.shape[-1] != new:
@@ -153,7 +157,10 @@ def keeps_every_rule(
     given = positions is not None and kind is not Positions.NONE
     if given and (positions_problem(positions, batch) is not None or positions.shape[-1] != new):
         return False, None
-    compare, derive, read = value_plan(given, mask is not None, False, new, past, kind, trusted, read_always, strict)
+    plan = value_plan(given, mask is not None, False, new, past, kind, trusted, read_always, strict)
+    compare, derive, read, rotary = plan
+    if rotary or not cache_position_kept(cache_position, past, new):
+        return False, None
     if not read:
         return not (compare or derive), None
     facts = read_values(input_ids, None, positions, given, compare, mask, new, past, limits)
@@ -277,10 +284,12 @@ def align_mask(
     A 3D or 4D mask is the model's own attention mask (transformers builds one for static caches): one row per new
     token, and one column per cached plus new token, or per slot of a static cache.
     """
-    if mask is None:
-        return None, False
+    if mask is None or isinstance(mask, dict):  # a dict: 5.x generate's prepared masks, one per layer type (used as
+        return mask, False  # given, as a 4D mask: the model's own, with layers of different widths)
     dims = mask.dim()
     if dims == 2:
+        if total is None and cache.capacity is not None and mask.shape[1] > cache.capacity:
+            _raise_past_capacity(mask.shape[1], cache.capacity)
         return _align_padding_mask(mask, batch, new, cache.length, total, strict, repairs), True
     if dims in (3, 4):
         _check_model_mask(mask, dims, batch, new, cache, total)
@@ -359,6 +368,16 @@ def _readings_agree(mask: Any, total: int) -> bool:
     if mask.shape[1] > total:
         return bool(torch.equal(mask[:, :total], mask[:, -total:]))
     return bool((mask == 1).all())
+
+
+def _raise_past_capacity(columns: int, capacity: int) -> None:
+    """Refuse a 2D mask of more tokens than a static cache has slots: the step cannot fit in it."""
+    raise CacheLengthError(
+        f"attention_mask has {columns} columns, but the cache is a static cache of {capacity} slots: the cached and "
+        f"the new tokens cannot fit (a model that builds its own static cache when none is passed, as Gemma2 and "
+        f"Gemma3 do before transformers 4.53, makes it as long as the prompt). Pass a cache with room for every "
+        f"token (max_cache_len) from the first step, or decode with generate()"
+    )
 
 
 def _check_model_mask(mask: Any, dims: int, batch: int, new: int, cache: CacheView, total: int | None) -> None:

@@ -18,6 +18,7 @@ POSITION_VALUES = "position_values_repaired"  # a cached step's positions disagr
 POSITIONS_COUNT_PADDING = "positions_count_padding"  # prefill: arange over a left-padded row; re-derived
 TOKEN_TYPES_SLICED = "token_type_ids_sliced"
 CACHE_POSITION_DROPPED = "cache_position_dropped"
+CACHE_POSITION_VALUES = "cache_position_repaired"  # cache_position not arange(p, p + q) after a cache: replaced
 MASK_SLICED = "mask_sliced"  # a mask longer than cached plus new tokens whose every reading agrees: sliced (silent)
 
 
@@ -41,10 +42,12 @@ class Positions(enum.Enum):
       derived from the mask; given ones are compared with the mask's; stale ones are derived again.
     * ``MASK`` (OPT): absolute, but the model derives missing ones from the mask itself.  Given ones are compared
       with the mask's; stale ones are dropped (the model derives them).
-    * ``ROTARY`` (GPT-J, CodeGen, GPT-NeoX): only differences matter, so transformers' own positions (which count
-      left padding) are as right as the mask's, and a cache built with either must be continued with the same: given
-      positions are left as they are, missing ones left to the model; stale ones cannot be told apart from either
-      scheme: an error.
+    * ``ROTARY`` (GPT-J, CodeGen, GPT-NeoX, Llama and the modern decoders): only differences matter, so
+      transformers' own positions (which count left padding) are as right as the mask's, and a cache built with
+      either must be continued with the same: missing positions are left to the model; given ones are left as they
+      are where they are either scheme's, and after a cache repaired where they are neither (positions that do not
+      advance, see :func:`~neofix._core._values.rotary_truth`); stale ones cannot be told apart from either scheme:
+      an error.
     * ``NONE`` (BLOOM, ALiBi): the model takes no positions; they are left alone.
     """
 

@@ -22,6 +22,7 @@ from .._errors import MaskValueError, PositionError, TokenIdError
 from . import _reads
 from ._reads import Facts, Question, step_truth
 from ._types import (
+    CACHE_POSITION_VALUES,
     POSITION_VALUES,
     POSITIONS_COUNT_PADDING,
     POSITIONS_DERIVED,
@@ -68,14 +69,19 @@ def settle(
 ) -> Settled:
     """The step's positions, after every value rule the step gets (raises for values no repair can make right).
     ``facts``: the step's values where they were read already (by :func:`~._align.keeps_every_rule`)."""
-    compare, derive, read = value_plan(
+    compare, derive, read, rotary = value_plan(
         step.given, step.mask is not None, step.model_mask, step.new, step.past, policy.positions,
         policy.trusted_positions, policy.check_values, policy.strict,
     )
+    report = None
+    if rotary:
+        positions, report = _settle_rotary(step, policy, not read, repairs)
+        step = step._replace(positions=positions)
     if policy.compiling:  # nothing read, nothing reported: the same positions, from shapes and on the device
         return Settled(_positions_on_device(step, compare, derive), False, None, ())
     if not read:
-        return _settle_without_reading(step, compare, derive, repairs)
+        settled = _settle_without_reading(step, compare, derive, repairs)
+        return settled if report is None else settled._replace(report=report)
     if _empty(step.input_ids) or _empty(step.positions) or _empty(step.mask):
         return Settled(step.positions, False, None, ())  # no rows: nothing to read (transformers runs or refuses it)
     if facts is None:
@@ -98,15 +104,17 @@ def value_plan(
     trusted: bool,
     check_values: bool,
     strict: bool,
-) -> tuple[bool, bool, bool]:
-    """``(compare, derive, read)``: whether given positions are compared with the 2D mask's (``kind`` looks them up in
-    a table, and generate did not build them from the mask after a cache), whether missing ones are derived from it,
-    and whether the step reads its values (every step but a single-token decode step, unless ``check_values`` asks,
-    or strict mode must judge given positions at once)."""
+) -> tuple[bool, bool, bool, bool]:
+    """``(compare, derive, read, rotary)``: whether given positions are compared with the 2D mask's (``kind`` looks
+    them up in a table, and generate did not build them from the mask after a cache), whether missing ones are
+    derived from it, whether the step reads its values (every step but a single-token decode step, unless
+    ``check_values`` asks, or strict mode must judge given positions at once), and whether given rotary positions
+    after a cache are judged by :func:`rotary_truth` (not generate's own)."""
     compare = given and kind.compared and not model_mask and (not trusted or past == 0)
     derive = not given and kind is Positions.ABSOLUTE and mask_2d
     decode = new == 1 and past != 0
-    return compare, derive, not decode or check_values or (compare and strict)
+    rotary = given and kind is Positions.ROTARY and bool(past) and not model_mask and not trusted
+    return compare, derive, not decode or check_values or (compare and strict), rotary
 
 
 def read_values(
@@ -150,6 +158,109 @@ def rows_to_mark(facts: Facts, past: int | None) -> tuple[int, ...]:
 
 def _empty(tensor: Any) -> bool:
     return tensor is not None and not tensor.numel()
+
+
+def rotary_truth(positions: torch.Tensor, mask: Any, new: int, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(target, wrong)`` for rotary positions given after a cache of ``past`` tokens (computed on the device).
+
+    Only differences matter, so a cache built with transformers' own positions (a token's column, counting left
+    padding) and one built with the mask's (real tokens before it) are both right, and a step continues either: the
+    given positions are right when every real token's is its column's, or every one's is the mask's.  Else (a loop
+    that does not advance its positions, or passes the same one at every step) the real tokens whose position is not
+    ``target``'s are ``wrong``, ``target`` being the scheme the rows agree on: one position shared by rows whose mask positions differ counts columns (a shared ``arange``); else the
+    mask's (per row, as generate builds them).  Without a mask every token is real and both schemes are the column.
+    """
+    column = torch.arange(past, past + new, device=positions.device).unsqueeze(0)
+    if positions.dim() == 1:  # one row for every row
+        positions = positions.unsqueeze(0)
+    if mask is None:
+        return column, positions != column
+    derived = mask.long().cumsum(-1)[:, -new:] - 1
+    real = mask[:, -new:] != 0
+    either = (~real | (positions == column)).all() | (~real | (positions == derived)).all()  # one scheme, every row
+    shared = (positions == positions[:1]).all() & (derived != derived[:1]).any()
+    target = torch.where(shared, column, derived)
+    return target, real & (positions != target) & ~either
+
+
+def _settle_rotary(step: ValueStep, policy: Policy, decode: bool, repairs: list[Repair]) -> tuple[Any, Report | None]:
+    """Rotary positions given after a cache: repaired where they are neither scheme's (:func:`rotary_truth`); on a
+    decode step on the device without a read (a :class:`Report` for the caller), else read at once (strict:
+    :class:`PositionError`)."""
+    positions, mask, past = step.positions, step.mask, step.past
+    if not policy.compiling and _on_host(positions, mask) and _either_scheme(positions, mask, step.new, past):
+        return positions, None  # read on the host (a list scan: nothing to wait for), and right: nothing to do
+    target, wrong = rotary_truth(positions, mask, step.new, past)  # type: ignore[arg-type]
+    if policy.compiling or (decode and not policy.check_values and not policy.strict):
+        repaired = torch.where(wrong, target, positions)
+        return repaired, None if policy.compiling else Report(wrong, positions, target, past, mask is not None)
+    if not bool(wrong.any()):
+        return positions, None
+    return _repair_cached(positions, target, wrong, past, mask is not None, policy.strict, repairs), None
+
+
+def _on_host(positions: Any, mask: Any) -> bool:
+    """Whether the step's values are read on the host (CPU memory: a read waits for nothing), as :mod:`._reads`
+    chooses its reader."""
+    return _reads.reader_for(Question(None, None, positions, False, False, mask, 0, None)) is _reads.read_on_host
+
+
+def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int) -> bool:
+    """:func:`rotary_truth`'s "right" on the host: every real token's given position is its column's, or every one's
+    is the mask's (list scans of the positions and the mask)."""
+    given = positions.tolist()
+    if positions.dim() == 1:
+        given = [given]
+    column = list(range(past, past + new))
+    if mask is None:
+        return all(row == column for row in given)
+    rows = mask.tolist()
+    if len(given) == 1:
+        given = given * len(rows)
+    as_columns = as_mask = True
+    for row, values in zip(rows, given):
+        before = sum(row[:-new]) if len(row) > new else 0
+        for value, flag, at in zip(values, row[-new:], column):
+            before += flag
+            if flag:
+                as_columns = as_columns and value == at
+                as_mask = as_mask and value == before - 1
+        if not (as_columns or as_mask):
+            return False
+    return True
+
+
+def cache_position_kept(cache_position: Any, past: int | None, new: int) -> bool:
+    """Whether :func:`settle_cache_position` leaves ``cache_position`` as it is without reading a device: none given,
+    nothing to judge it by (no cache, or one whose length cannot be told), or on the host ``arange(past, past + new)``.
+    (Eager calls only: it reads the host's values.)"""
+    if cache_position is None or not past or cache_position.dim() != 1:
+        return True
+    return _on_host(cache_position, None) and cache_position.tolist() == list(range(past, past + new))
+
+
+def settle_cache_position(cache_position: Any, past: int | None, new: int, policy: Policy, repairs: list[Repair]) -> Any:
+    """``cache_position`` after a cache of ``past`` tokens must be ``arange(past, past + new)``: the releases that take
+    it (4.36 - 4.57) build the causal mask and, without positions, the positions from it.  One that is not (a loop
+    that does not advance it) is replaced: on an accelerator's decode step on the device and unread (the values are
+    known from shapes; a right one is replaced by the same values), else read at once and said once (strict:
+    :class:`PositionError`).  Untouched where the cache's length cannot be told (static caches)."""
+    if cache_position is None or not past or cache_position.dim() != 1:
+        return cache_position
+    if policy.compiling or not (_on_host(cache_position, None) or policy.strict or policy.check_values):
+        return torch.arange(past, past + new, device=cache_position.device)
+    given = cache_position.tolist()
+    if given == list(range(past, past + new)):
+        return cache_position
+    described = (
+        f"cache_position is {given if new <= 4 else given[:4] + ['...']} at a step after {past} cached tokens, but "
+        f"this step's tokens are at {past} to {past + new - 1} of the cache"
+    )
+    fix = "pass cache_position = torch.arange(cached, cached + new_tokens), or leave it out (the model counts it)"
+    if policy.strict:
+        raise PositionError(f"{described}: {fix}")
+    repairs.append(Repair(CACHE_POSITION_VALUES, f"neofix: {described}; used those. To fix your loop: {fix}. Reported once."))
+    return torch.arange(past, past + new, device=cache_position.device)
 
 
 def check_values(facts: Facts, input_ids: Any, token_types: Any, positions: Any, mask: Any, limits: Limits) -> None:

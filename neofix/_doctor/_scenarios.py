@@ -16,6 +16,7 @@ from .._caches import of_output
 from .._errors import (
     BatchMismatchError,
     MaskLengthError,
+    MaskValueError,
     NeofixError,
     PositionError,
     SequenceTooLongError,
@@ -371,7 +372,33 @@ class Scenario(NamedTuple):
 
     def for_family(self, ctx: Context) -> Any:
         """This scenario as the context's family expects it, or a string: why it does not apply."""
+        release = _release_limits(self, ctx)
+        if release is not None:
+            return release
         return self if self.adapt is None else (self.adapt(self, ctx) or self)
+
+
+#: the scenarios that decode by hand on the model's own cache
+_HAND_LOOPS = frozenset({
+    "stale_mask", "padded_no_positions", "stale_positions", "arange_positions", "frozen_positions", "chunked_prefill",
+    "mask_too_long", "position_overflow",
+})
+
+
+def _release_limits(scenario: Scenario, ctx: Context) -> Any:
+    """What a family cannot do on the installed release, vanilla neither: Gemma2 and Gemma3 up to 4.52 build a
+    HybridCache as long as the prompt when given none (no hand loop runs; neofix: CacheLengthError), and Gemma2 up to
+    4.47 decodes left-padded rows wrong in its HybridCache (neofix refuses the prefill: MaskValueError)."""
+    from .. import _compat
+
+    name = ctx.adapter.family.name
+    if name not in ("gemma2", "gemma3") or _compat.release() >= (4, 53):
+        return None
+    if scenario.key in _HAND_LOOPS:
+        return "the model's own HybridCache holds the prompt only on this transformers release: no hand loop runs"
+    if name == "gemma2" and _compat.release() < (4, 48) and scenario.key in ("generate_greedy", "generate_beam"):
+        return scenario._replace(reference=None, error=MaskValueError, strict_error=MaskValueError, parity=False)
+    return None
 
 
 def _positions_matter(scenario: Scenario, ctx: Context) -> Any:
@@ -382,6 +409,8 @@ def _positions_matter(scenario: Scenario, ctx: Context) -> Any:
     if ctx.positions_kind == "rotary":
         if scenario.key == "stale_positions":  # which positions the cache was built with cannot be told
             return scenario._replace(reference=None, error=PositionError, strict_error=PositionError)
+        if scenario.key == "frozen_positions":  # neither scheme's: repaired (strict: an error), as for the others
+            return None
         return "rotary positions: only their differences matter"
     return None
 

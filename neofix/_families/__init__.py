@@ -85,29 +85,33 @@ def _standard(
     no_stopping: str = "",
     prepare_since: str | None = None,
     prepare_why: str = "",
+    since: str | None = None,
 ) -> Family:
     """A family patched the usual way: its base model's forward and ``generate``'s entry points on its causal LM
     (input preparation, from ``prepare_since`` if given, with ``prepare_why`` for releases before it; ``generate``;
     and the stopping criteria, which neofix makes stop at a position table, unless ``no_stopping`` says why not),
-    plus ``more``.  Its modeling module is ``transformers.models.<name>.modeling_<name>``."""
+    plus ``more``.  Its modeling module is ``transformers.models.<name>.modeling_<name>``.  ``since``: the first
+    transformers release that has the family (its standard targets are gated to it)."""
+    arrived = f"transformers has {title} from {since}" if since else ""
     stopping = Target(
         causal_lm,
         "_get_stopping_criteria",
         wrapper="" if no_stopping else "make_get_stopping_criteria",
         required=not no_stopping,
-        why=no_stopping,
+        since=since,
+        why=no_stopping or arrived,
     )
     targets = (
-        Target(base_model, "forward", wrapper="make_model_forward", required=True),
+        Target(base_model, "forward", wrapper="make_model_forward", required=True, since=since, why=arrived),
         Target(
             causal_lm,
             "prepare_inputs_for_generation",
             wrapper="make_prepare_inputs_for_generation",
             required=True,
-            since=prepare_since,
-            why=prepare_why,
+            since=prepare_since or since,
+            why=prepare_why or arrived,
         ),
-        Target(causal_lm, "generate", wrapper="make_generate", required=True),
+        Target(causal_lm, "generate", wrapper="make_generate", required=True, since=since, why=arrived),
         stopping,
     )
     return Family(
@@ -192,7 +196,44 @@ BLOOM = _standard(
     "but BLOOM's keys there are (batch * heads, head_dim, tokens): it would feed the wrong tokens",
 )
 
+def _rotary(name: str, title: str, base_model: str, causal_lm: str, since: str) -> Family:
+    """A decoder of Llama's kind (rotary positions, no position table) that arrived in transformers ``since``."""
+    return _standard(
+        name,
+        title,
+        base_model,
+        causal_lm,
+        no_stopping=f"{title}'s rotary positions extrapolate past max_position_embeddings: no generate call runs past "
+        "a table, so there is nothing to refuse",
+        since=since,
+    )
+
+
+LLAMA = _rotary("llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28")
+MISTRAL = _rotary("mistral", "Mistral", "MistralModel", "MistralForCausalLM", "4.34")
+QWEN2 = _rotary("qwen2", "Qwen2", "Qwen2Model", "Qwen2ForCausalLM", "4.37")
+QWEN3 = _rotary("qwen3", "Qwen3", "Qwen3Model", "Qwen3ForCausalLM", "4.51")
+GEMMA2 = _rotary("gemma2", "Gemma2", "Gemma2Model", "Gemma2ForCausalLM", "4.42")
+GEMMA3 = _rotary("gemma3", "Gemma3", "Gemma3TextModel", "Gemma3ForCausalLM", "4.50")
+PHI3 = _rotary("phi3", "Phi3", "Phi3Model", "Phi3ForCausalLM", "4.40")
+
 #: Every family neofix patches, by name.
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM)
+    family.name: family
+    for family in (GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3)
 }
+
+_COUNTS = dict(enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+                         "sixteen seventeen eighteen nineteen twenty".split()))
+
+
+def count_in_words() -> str:
+    """How many families neofix patches, in words ("fourteen"): what the help texts and the docs say."""
+    return _COUNTS.get(len(FAMILIES), str(len(FAMILIES)))
+
+
+def titles() -> str:
+    """The families' titles in registry order, as a sentence lists them: "GPT-Neo, GPT-2, ... and Phi3"."""
+    names = [family.title for family in FAMILIES.values()]
+    return ", ".join(names[:-1]) + " and " + names[-1]
+

@@ -18,7 +18,25 @@ from .._core import CacheView, Limits, Positions
 from . import Family
 
 
-def no_check(model: Any, cache: CacheView) -> None:
+def read_window_cache(cache: Any, layers: int) -> CacheView:
+    """What a cache holds (:func:`neofix._caches.read`), for a family with sliding-window layers (Mistral, Gemma2,
+    Gemma3): a static cache of sliding-window layers (5.x, as ``generate(cache_implementation="static")`` builds)
+    has as many slots as the window, but the 4D mask transformers builds spans the prefill's own keys where the
+    prefill is longer; which width a step's mask has is the layer's business, so no capacity is given to check it
+    against (the mask is used as given).  The window itself is checked by the attention against the cache it is
+    given (its 4D mask, or its sliding-window cache layers that keep the window's keys and count every token)."""
+    view = _caches.read(cache, layers)
+    if view.capacity is not None and any("SlidingWindow" in type(layer).__name__ for layer in _cache_layers(cache)):
+        return view._replace(capacity=None)
+    return view
+
+
+def _cache_layers(cache: Any) -> list:
+    cache_layers = getattr(cache, "layers", None)
+    return cache_layers if isinstance(cache_layers, list) else [cache]
+
+
+def no_check(model: Any, cache: CacheView, call: dict) -> None:
     """Nothing of the family's own to refuse (its attention has no window the cache could break)."""
 
 
@@ -41,8 +59,10 @@ class Adapter:
     layers: Callable[[Any], int]
     #: ``read_cache(cache, layers)``: what a cache holds (:class:`~neofix._core.CacheView`), from shapes alone.
     read_cache: Callable[[Any, int], CacheView] = _caches.read
-    #: ``check_step(model, view)``: the family's own refusal of a cache its attention would read wrong (raises).
-    check_step: Callable[[Any, CacheView], None] = no_check
+    #: ``check_step(model, view, call)``: the family's own refusal of a cache its attention would read wrong, or of
+    #: inputs its cache would read wrong (raises).  ``call``: the forward's arguments by name, as given (never
+    #: changed); read tensors' values only on a prefill (which reads its values anyway), never on a decode step.
+    check_step: Callable[[Any, CacheView, dict], None] = no_check
     #: The forward rejects legacy tuple caches on this release: repair mode wraps them in a ``DynamicCache``.
     legacy_cache_rejected: bool = False
     #: The forward reads 1D ``input_ids`` as one row on this release: such a call is passed on untouched.

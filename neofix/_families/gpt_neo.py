@@ -50,7 +50,7 @@ def _window_repaired(model: Any) -> bool:
     return True
 
 
-def check_step(model: Any, cache: CacheView) -> None:
+def check_step(model: Any, cache: CacheView, call: Any = None) -> None:
     """GPT-Neo's own limit: its local attention layers slice their window out of a causal buffer at the cache's
     last slot, which is the token's position only for a cache that grows.  neofix repairs the eager attention from
     transformers 4.45 on (:func:`make_static_window_forward`); a static cache of more slots than the window is refused

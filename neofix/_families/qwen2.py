@@ -1,0 +1,24 @@
+"""Qwen2's adapter (transformers 4.37 and later).
+
+Llama's shape (:mod:`neofix._families.llama`: rotary positions, grouped-query attention, no position table, legacy
+tuple caches converted up to 4.47 and rejected from 4.48) with biased query, key and value projections; measured the
+same way on 4.45, 4.57 and 5.24 with ``neofix.testing.tiny_model("qwen2")``.  Its config's optional sliding window
+(``use_sliding_window``, off in every released checkpoint's config) is the attention's own, applied in its mask.
+"""
+
+from __future__ import annotations
+
+from .. import _compat
+from .._core import Positions
+from . import QWEN2
+from ._contract import Adapter, make_layers, read_window_cache
+from .llama import limits
+
+ADAPTER = Adapter(
+    family=QWEN2,
+    positions=Positions.ROTARY,
+    limits=limits,
+    layers=make_layers("layers"),
+    read_cache=read_window_cache,
+    legacy_cache_rejected=_compat.release() >= (4, 48),
+)

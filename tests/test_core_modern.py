@@ -1,0 +1,113 @@
+"""The core rules the modern decoders (issue 38) brought, on the core alone (CPU tensors, milliseconds): rotary
+positions compared after a cache, ``cache_position``'s values, a 2D mask wider than a static cache, and 5.x's
+per-layer-type mask dicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neofix import CacheLengthError, PositionError
+from neofix._core import CacheView, Limits, Policy, Positions, StepInputs, align
+
+LIMITS = Limits(max_positions=None, vocab_size=96, hidden_size=32, heads=2, head_dim=8)
+ROTARY = Policy(positions=Positions.ROTARY)
+MASK = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1]])  # three cached tokens and one new, rows left-padded
+
+
+def _cache(past, batch=3):
+    return CacheView(past, batch, (past, past), None, 2, 8, "object")
+
+
+def _step(positions=None, mask=MASK, new=1, cache_position=None, batch=3):
+    return StepInputs(torch.ones(batch, new, dtype=torch.long), None, mask, positions, None, cache_position)
+
+
+# -- rotary positions after a cache ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ([[3], [3], [3]], [[3], [3], [3]]),  # the column (transformers' own, counting the pads): kept
+        ([[3], [1], [2]], [[3], [1], [2]]),  # the mask's: kept
+        ([[2], [0], [1]], [[3], [1], [2]]),  # not advanced, per row (the mask's scheme): the mask's
+        ([[2], [2], [2]], [[3], [3], [3]]),  # not advanced, shared by differently padded rows: the column
+        ([[2]], [[3], [3], [3]]),  # one row for all: the column
+        ([[3], [1], [1]], [[3], [1], [2]]),  # the mask's but for one row: that row repaired
+    ],
+)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_rotary_positions_after_a_cache_keep_either_scheme_and_repair_the_rest(given, expected, on_device):
+    """On the host (CPU memory) right positions are read with a list scan and passed on as given; wrong ones, and
+    every decode step on a device, are compared and repaired on the device, nothing read (a report, read later)."""
+    from ._sync import device_reads
+
+    with device_reads(on_device):
+        aligned = align(_step(torch.tensor(given)), _cache(3), LIMITS, ROTARY)
+    assert torch.broadcast_to(aligned.position_ids, (3, 1)).tolist() == expected
+    if on_device or given != expected:
+        assert bool(aligned.report.wrong.any()) == (given != expected)
+    else:
+        assert aligned.report is None
+    assert aligned.repairs == ()
+
+
+def test_a_rotary_chunk_after_a_cache_is_read_and_repaired_at_once():
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    aligned = align(_step(torch.tensor([[1, 1], [0, 0]]), mask, new=2, batch=2), _cache(3, 2), LIMITS, ROTARY)
+    assert aligned.position_ids.tolist() == [[3, 4], [2, 3]]
+    assert aligned.repair_kinds == ("position_values_repaired",)
+
+
+def test_rotary_positions_that_do_not_advance_are_a_position_error_in_strict_mode():
+    with pytest.raises(PositionError, match=r"^position_ids\[0, 0\] is 2 at the step after 3 cached tokens"):
+        align(_step(torch.tensor([[2], [0], [1]])), _cache(3), LIMITS, Policy(strict=True, positions=Positions.ROTARY))
+
+
+def test_rotary_positions_are_left_alone_without_a_cache_and_where_generate_made_them():
+    aligned = align(_step(torch.tensor([[0, 0, 0, 0]] * 3), new=4), _cache(0), LIMITS, ROTARY)
+    assert aligned.position_ids.tolist() == [[0, 0, 0, 0]] * 3  # no cache: any scheme (packed documents)
+    trusted = Policy(positions=Positions.ROTARY, trusted_positions=True)
+    aligned = align(_step(torch.tensor([[2], [0], [1]])), _cache(3), LIMITS, trusted)
+    assert aligned.position_ids.tolist() == [[2], [0], [1]] and aligned.report is None
+
+
+# -- cache_position ------------------------------------------------------------------------------------------------
+
+
+def test_a_right_cache_position_is_passed_on_as_given():
+    given = torch.tensor([3])
+    assert align(_step(cache_position=given), _cache(3), LIMITS, ROTARY).cache_position is given
+
+
+def test_a_cache_position_that_does_not_advance_is_replaced_and_said():
+    aligned = align(_step(cache_position=torch.tensor([2])), _cache(3), LIMITS, ROTARY)
+    assert aligned.cache_position.tolist() == [3]
+    assert aligned.repair_kinds == ("cache_position_repaired",)
+    with pytest.raises(PositionError, match=r"^cache_position is \[2\] at a step after 3 cached tokens"):
+        align(_step(cache_position=torch.tensor([2])), _cache(3), LIMITS, Policy(strict=True))
+
+
+def test_cache_position_is_left_alone_where_the_caches_length_cannot_be_told():
+    static = CacheView(None, 3, None, 16, 2, 8, "static")
+    given = torch.tensor([9])
+    assert align(_step(cache_position=given), static, LIMITS, ROTARY).cache_position is given
+
+
+# -- masks against a static cache; 5.x's mask dicts ------------------------------------------------------------------
+
+
+def test_a_2d_mask_wider_than_a_static_cache_is_refused():
+    static = CacheView(None, 3, None, 4, 2, 8, "static")
+    mask = torch.ones(3, 5, dtype=torch.long)
+    with pytest.raises(CacheLengthError, match="^attention_mask has 5 columns, but the cache is a static cache of 4"):
+        align(_step(mask=mask), static, LIMITS, ROTARY)
+    assert align(_step(mask=mask[:, :4]), static, LIMITS, ROTARY).attention_mask.shape == (3, 4)
+
+
+def test_a_dict_of_prepared_masks_is_used_as_given():
+    masks = {"full_attention": torch.zeros(3, 1, 1, 4), "sliding_attention": torch.zeros(3, 1, 1, 4)}
+    aligned = align(_step(torch.tensor([[2], [0], [1]]), mask=masks), _cache(3), LIMITS, ROTARY)
+    assert aligned.attention_mask is masks
+    assert aligned.position_ids.tolist() == [[2], [0], [1]]  # no 2D mask: positions are not compared with one

@@ -1,0 +1,73 @@
+"""Every place that names the families says what ``neofix.FAMILIES`` says (torch-free: reads files and the registry).
+
+The CLI's texts are built from the registry; the module docstring, README, the docs and the plugin's fixture list the
+families in prose and tables, checked here, so that adding a family to the registry fails this test until they say
+it too."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import neofix
+import pytest_neofix
+from neofix._families import FAMILIES, count_in_words, titles
+from neofix.testing import FAMILY_CONFIGS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _table_titles(text: str) -> set[str]:
+    """The family titles in the first column of the families table ("| Llama (4.28+), Qwen2 (4.37+) | ...")."""
+    found = set()
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith("| family") and not line.startswith("|---"):
+            cell = line.split("|")[1]
+            found |= {re.sub(r"\s*\(.*?\)\s*", "", name).strip() for name in re.sub(r"\(.*?\)", "", cell).split(",")}
+    return {title for title in found if title}
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/families.md"])
+def test_the_family_tables_have_a_row_for_every_family(path):
+    text = (ROOT / path).read_text()
+    table = text[text.index("| family |"):]
+    table = table[: table.index("\n\n")]
+    assert _table_titles(table) == {family.title for family in FAMILIES.values()}
+    assert f"patches all {count_in_words()}," in text
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/index.md", "docs/families.md", "docs/plugin.md",
+                                  "docs/decodestate.md"])
+def test_the_docs_count_the_families(path):
+    text = " ".join((ROOT / path).read_text().split())
+    assert f" {count_in_words()} " in text, path
+    for other in ("nine", "ten", "eleven", "twelve", "thirteen", "fifteen"):
+        assert f"the {other} families" not in text and f"for {other} decoder families" not in text, (path, other)
+
+
+def test_the_module_docstring_and_the_docs_name_every_family():
+    for text in (neofix.__doc__, (ROOT / "README.md").read_text(), (ROOT / "docs/index.md").read_text()):
+        text = " ".join(text.split())
+        assert f"for {count_in_words()} decoder families" in text
+        for family in FAMILIES.values():
+            assert family.title in text, family.title
+    families = " ".join((ROOT / "docs/families.md").read_text().split())
+    assert ", ".join(f"`{name}`" for name in FAMILIES) + "." in families
+
+
+def test_the_plugins_fixture_and_the_tiny_models_cover_every_family():
+    doc = " ".join(pytest_neofix.tiny_model.__doc__.split())
+    assert "(``neofix.FAMILIES``: " + ", ".join(f'"{name}"' for name in FAMILIES) + ")" in doc
+    assert set(FAMILY_CONFIGS) == set(FAMILIES)
+    assert tuple(neofix.FAMILIES) == tuple(FAMILIES)
+
+
+def test_every_family_has_its_scenario_module():
+    """tests/test_family_<name>.py for every family but the seven of tests/test_families.py's first releases."""
+    modern = [name for name in FAMILIES if name not in ("gpt_neo", "gpt2", "gptj", "codegen", "gpt_neox", "opt", "bloom")]
+    assert modern == ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
+    for name in modern:
+        assert (ROOT / "tests" / f"test_family_{name}.py").exists(), name
+    assert titles().endswith(" and Phi3")

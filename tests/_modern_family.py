@@ -30,14 +30,16 @@ def skip_unless_available(family: str, since: str) -> None:
     if not hasattr(transformers, FAMILY_CONFIGS[family][0]):
         title = FAMILIES[family].title
         pytest.skip(f"transformers {TF} has no {title} (it arrived in {since})", allow_module_level=True)
+    if not FAMILIES[family].patched_here():
+        pytest.skip(f"transformers {TF}: {FAMILIES[family].targets[0].why}", allow_module_level=True)
 
 STEPS = 8
 ROWS = [6, 3, 5]
 #: The forward takes cache_position (up to 4.57); 5.x takes none.
 TAKES_CACHE_POSITION = TF_RELEASE < (5, 0)
-#: 5.x pads a mask shorter than cache plus input with zeros on the right (masking_utils): a stale mask is silently
-#: wrong there; 4.45 fails on the shapes.
-STALE_MASK_SILENT = TF_RELEASE >= (4, 57)
+#: 4.53 and later pad a mask shorter than cache plus input with zeros on the right (masking_utils): a stale mask is
+#: silently wrong there (measured on 4.53, 4.57, 5.x); 4.45 fails on the shapes.
+STALE_MASK_SILENT = TF_RELEASE >= (4, 53)
 
 
 def own_cache_too_small(family):

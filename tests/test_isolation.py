@@ -51,8 +51,11 @@ def own_attributes():
 
 
 def is_proxy(value):
-    """Whether ``value`` is a wrapper neofix installed (a plain function from neofix/_wrappers.py)."""
-    return getattr(getattr(value, "__code__", None), "co_filename", "").endswith("_wrappers.py")
+    """Whether ``value`` is a wrapper neofix installed (marked by ``neofix._wrappers._mark``: those of
+    neofix/_wrappers.py, and a family's own, such as GPT-Neo's static-cache window)."""
+    from neofix import _wrappers
+
+    return getattr(value, _wrappers.MARK, False) is True
 
 
 def assert_consistent():

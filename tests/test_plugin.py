@@ -381,10 +381,13 @@ def test_tiny_model_fixture_for_every_family(tiny_model, family):
     """The family-neutral fixture: a tiny model of each family, guarded by the same assertion."""
     import transformers
 
+    from neofix._families import FAMILIES
     from neofix.testing import FAMILY_CONFIGS
 
     if not hasattr(transformers, FAMILY_CONFIGS[family][0]):
         pytest.skip(f"transformers {transformers.__version__} has no {FAMILY_CONFIGS[family][0]}")
+    if not FAMILIES[family].patched_here():
+        pytest.skip(f"transformers {transformers.__version__}: {FAMILIES[family].targets[0].why}")
     from neofix import _compat
 
     if family in ("gemma2", "gemma3") and _compat.release() < (4, 53):

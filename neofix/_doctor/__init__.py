@@ -117,6 +117,8 @@ def run(
         from .. import _compat
 
     chosen = FAMILIES[family]
+    if not chosen.patched_here():
+        raise DoctorUsageError(f"--family {family}: {chosen.targets[0].why}")
     _load_families(chosen, transformers.__version__, others and model_path is None)
     found_patched = _lifecycle.is_patched()
     with _preserved_state(transformers):
@@ -223,6 +225,8 @@ def _quick_check(family: Any, patched: bool, strict: bool, progress: Callable[[s
             model = tiny_model(family.name)
     except Exception as exc:  # noqa: BLE001 - a family this release lacks, or cannot build: said, not raised
         return f"not available on this transformers ({_one_line(exc, limit=80)})"
+    if not family.patched_here():
+        return family.targets[0].why
     progress(f"{family.title}: quick self-check")
     return _self_check(Context(model, family.load_adapter()), patched, strict, progress, QUICK)
 

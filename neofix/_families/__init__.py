@@ -69,6 +69,13 @@ class Family:
     def __repr__(self) -> str:
         return f"Family({self.name!r})"
 
+    def patched_here(self) -> bool:
+        """Whether neofix patches the family on the installed transformers (its base model's forward is in range)."""
+        from .. import _compat
+
+        forward = self.targets[0]
+        return _compat.in_range(forward.since, forward.until)
+
     def load_adapter(self) -> Any:
         """The family's :class:`~neofix._families._contract.Adapter` (imports torch and transformers)."""
         import importlib
@@ -86,13 +93,14 @@ def _standard(
     prepare_since: str | None = None,
     prepare_why: str = "",
     since: str | None = None,
+    why_since: str = "",
 ) -> Family:
     """A family patched the usual way: its base model's forward and ``generate``'s entry points on its causal LM
     (input preparation, from ``prepare_since`` if given, with ``prepare_why`` for releases before it; ``generate``;
     and the stopping criteria, which neofix makes stop at a position table, unless ``no_stopping`` says why not),
     plus ``more``.  Its modeling module is ``transformers.models.<name>.modeling_<name>``.  ``since``: the first
     transformers release that has the family (its standard targets are gated to it)."""
-    arrived = f"transformers has {title} from {since}" if since else ""
+    arrived = why_since or (f"transformers has {title} from {since}" if since else "")
     stopping = Target(
         causal_lm,
         "_get_stopping_criteria",
@@ -196,8 +204,16 @@ BLOOM = _standard(
     "but BLOOM's keys there are (batch * heads, head_dim, tokens): it would feed the wrong tokens",
 )
 
+#: The first release on which the modern decoders are patched: the one their tests start from.  Before it (4.28 -
+#: 4.44) their attention masks are built by code neofix has not been verified against (in float64 the mask helpers of
+#: 4.30 and 4.36 overflow, vanilla and patched alike), so they are left as transformers has them, and said so.
+MODERN_FROM = "4.45"
+
+
 def _rotary(name: str, title: str, base_model: str, causal_lm: str, since: str) -> Family:
-    """A decoder of Llama's kind (rotary positions, no position table) that arrived in transformers ``since``."""
+    """A decoder of Llama's kind (rotary positions, no position table) that arrived in transformers ``since``; patched
+    from :data:`MODERN_FROM` (or its arrival, if later)."""
+    patched_from = max(since, MODERN_FROM, key=lambda version: tuple(map(int, version.split("."))))
     return _standard(
         name,
         title,
@@ -205,7 +221,9 @@ def _rotary(name: str, title: str, base_model: str, causal_lm: str, since: str) 
         causal_lm,
         no_stopping=f"{title}'s rotary positions extrapolate past max_position_embeddings: no generate call runs past "
         "a table, so there is nothing to refuse",
-        since=since,
+        since=patched_from,
+        why_since=f"neofix patches {title} from transformers {patched_from} (transformers has it from {since}; "
+        f"earlier releases are not tested)" if patched_from != since else "",
     )
 
 

@@ -270,7 +270,7 @@ def _apply(family: Family, module: Any) -> bool:
         from ._trace import log_steps
 
         log_steps()
-    return True
+    return bool(applied)  # (a family this release has but neofix does not patch here installs nothing)
 
 
 def _install(family: Family, module: Any, target: Any, name: str, adapter: Any, version: str) -> _Applied | None:

@@ -111,12 +111,13 @@ def make_static_window_forward(original: Any, _adapter: Any) -> Callable[..., An
     @functools.wraps(original)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         cache = args[at] if len(args) > at else kwargs.get("layer_past")
-        capacity = getattr(cache, "max_cache_len", None)  # (a static cache of 4.45 - 4.55, or a Cache of layers)
         layers = getattr(cache, "layers", None)
-        held = cache
-        if type(layers) is list and self.layer_id < len(layers):  # 4.56 and later: the layer's own object
-            held = layers[self.layer_id]
-            capacity = getattr(held, "max_cache_len", None)
+        if type(layers) is list:  # 4.56 and later: the layer's own object (a cache's own max_cache_len is a max over
+            # its layers, which fails on a cache of none yet: assisted generation's)
+            held = layers[self.layer_id] if self.layer_id < len(layers) else None
+        else:  # a static cache of 4.45 - 4.55
+            held = cache
+        capacity = getattr(held, "max_cache_len", None)
         if capacity is None:  # no cache, or one that grows: transformers' own window is right
             return original(self, *args, **kwargs)
         if type(held) not in positional:

@@ -22,6 +22,7 @@ from neofix.testing import FAMILY_CONFIGS, reference_greedy, reference_positions
 
 from ._versions import TF, TF_RELEASE, cache_keyword, output_cache
 from .loops import decode, left_padded_batch, patched_and_vanilla
+from .test_families import run  # call() with warnings recorded: (result or error, NeofixWarning messages)
 
 
 
@@ -96,17 +97,6 @@ def lm(request, family):
 
 def reference(model, ids, mask, steps=STEPS):
     return reference_greedy(model, ids, mask, steps)[:, ids.shape[1] :]
-
-
-def run(call):
-    """``call()`` with NeofixWarnings recorded: (result or exception, their messages)."""
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
-        try:
-            result = call()
-        except Exception as exc:  # noqa: BLE001 - the outcome is asserted
-            result = exc
-    return result, [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
 
 
 def vanilla(call):

@@ -10,7 +10,6 @@ each classic mistake is asserted too, so that a release that fixes or changes on
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch

@@ -433,20 +433,36 @@ def test_generate_is_identical_to_vanilla(lm32, kwargs):
             assert got[:ended] == expected[:ended]
 
 
+#: Vanilla's own failure on transformers 5.0: candidate decoding crops the cache after a rejected guess, and a
+#: ``DynamicSlidingWindowLayer`` that has seen a whole window refuses to be cropped (Mistral, Gemma 2, Gemma 3 here,
+#: whose tiny window is 4).  neofix must leave that failure exactly as it is.
+CANNOT_CROP_A_WINDOW = "Cannot `crop` a `DynamicSlidingWindowLayer`"
+
+
+def assert_generates_as_vanilla(model, call):
+    """``call(model)`` patched and vanilla end alike: the same tokens, or, where vanilla cannot run it at all,
+    the same error (only the known failure above: any other vanilla error fails the test)."""
+    patched, plain = both(model, lambda m: run(lambda: call(m))[0])
+    if isinstance(plain, Exception):
+        assert CANNOT_CROP_A_WINDOW in str(plain), plain
+        assert getattr(model.config, "sliding_window", None) is not None, plain
+        assert type(patched) is type(plain) and str(patched) == str(plain), (patched, plain)
+        return
+    assert torch.equal(patched, plain)
+
+
 @requires("assisted decoding")
 def test_assisted_generate_is_identical_to_vanilla(family, lm32):
     ids, mask = left_padded_batch([6], seed=5)
     assistant = tiny_model(family, seed=7, dtype=torch.float32)
-    patched, plain = both(lm32, lambda m: generate(m, ids, mask, assistant_model=assistant, do_sample=False))
-    assert torch.equal(patched, plain)
+    assert_generates_as_vanilla(lm32, lambda m: generate(m, ids, mask, assistant_model=assistant, do_sample=False))
 
 
 @requires("prompt lookup")
 def test_prompt_lookup_is_identical_to_vanilla(lm32):
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
     mask = torch.ones_like(ids)
-    patched, plain = both(lm32, lambda m: generate(m, ids, mask, prompt_lookup_num_tokens=3, do_sample=False))
-    assert torch.equal(patched, plain)
+    assert_generates_as_vanilla(lm32, lambda m: generate(m, ids, mask, prompt_lookup_num_tokens=3, do_sample=False))
 
 
 # -- never break -------------------------------------------------------------------------------------------------------

@@ -23,9 +23,9 @@ import zipfile
 from pathlib import Path
 
 DISTRIBUTION = "transformers-neofix"
-# The project pins transformers as a real one would: tox.ini's newest pinned release (tf524), already in uv's cache
+# The project pins transformers as a real one would: tox.ini's newest pinned release (tf525), already in uv's cache
 # after a CI run, so this check resolves nothing new.
-TRANSFORMERS = "transformers==5.24.0"
+TRANSFORMERS = "transformers==5.25.0"
 
 TEST_FILE = '''\
 """A downstream project's test: its own (here: the plugin's tiny) GPT-Neo must decode like a full recompute."""

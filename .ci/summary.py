@@ -13,7 +13,7 @@ import sys
 SUMMARY = re.compile(r"\b(\d+ (passed|failed|errors?|skipped)|no tests ran)\b.* in \d+(\.\d+)?s\b")
 
 
-#: What .ci/unless_pinned.py prints instead of running pytest (tflatest while the newest release is tf524's).
+#: What .ci/unless_pinned.py prints instead of running pytest (tflatest while the newest release is tf525's).
 NOT_RUN = "not run again:"
 
 

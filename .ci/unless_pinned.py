@@ -3,7 +3,7 @@
 Usage (tox.ini, env tflatest): python .ci/unless_pinned.py PINNED_VERSION ENV_NAME -- PYTEST_ARGS...
 
 `tflatest` installs the newest transformers on every run, to catch a new release the day it appears.  While the
-newest is still the release `py311-tf524` pins, its whole suite would run twice on the same code: then this prints
+newest is still the release `py311-tf525` pins, its whole suite would run twice on the same code: then this prints
 one line saying so (`.ci/summary.py` shows it) and exits 0.  Otherwise it runs the env's `pytest PYTEST_ARGS`, as
 the other envs do, and exits with pytest's status.  (Not `python -m pytest`: that puts the working directory, the
 checkout, first on `sys.path`, and the tests would import the checkout's neofix instead of the wheel tox installed.)

@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Union
 from ._versions import TF_RELEASE
 
 #: The transformers releases of the tox matrix (tox.ini), where every entry below was measured.
-MEASURED = ((4, 26), (4, 30), (4, 36), (4, 40), (4, 45), (4, 48), (4, 53), (4, 57), (5, 0), (5, 10), (5, 24))
+MEASURED = ((4, 26), (4, 30), (4, 36), (4, 40), (4, 45), (4, 48), (4, 53), (4, 57), (5, 0), (5, 10), (5, 25))
 
 
 class Raises(NamedTuple):
@@ -58,7 +58,7 @@ def size(a: int, b: int, dim: int) -> Raises:
 
 
 OUT_OF_RANGE = Raises(IndexError, "index out of range in self")  # an embedding lookup past its table
-ALL = "4.26-5.24"
+ALL = "4.26-5.25"
 #: 4.26 - 4.30 build the attention mask from a batch size they want above 0 (a prefill's too)
 BATCH_SIZE = Raises(ValueError, "batch_size has to be defined and > 0")
 UNPACK = Raises(ValueError, "too many values to unpack (expected 2)")  # 4.36's 4D-mask helper
@@ -87,70 +87,70 @@ VANILLA: dict[str, dict[str, Outcome]] = {
     "mask batch 3 != input batch 2, prefill": {
         "4.26-4.30": Raises(RuntimeError, "shape '[2, -1]' is invalid for input of size 15"),
         "4.36-5.0": size(2, 3, 0),
-        "5.10-5.24": ACCEPTED,  # uses the mask's first rows
+        "5.10-5.25": ACCEPTED,  # uses the mask's first rows
     },
     "mask batch 1 != input batch 2, decode step": {
         "4.26-4.30": size(6, 3, 3),
         "4.36-5.0": ACCEPTED,  # broadcasts the one row
-        "5.10-5.24": Raises(IndexError, "index 1 is out of bounds for dimension 0 with size 1"),
+        "5.10-5.25": Raises(IndexError, "index 1 is out of bounds for dimension 0 with size 1"),
     },
     "4D mask batch 3 != input batch 2": {
         "4.26-4.30": size(6, 9, 3),
         "4.36": UNPACK,
         "4.40": Raises(ValueError, "Incorrect 4D attention_mask shape: (3, 1, 1, 6); expected: (2, 1, 1, 6)"),
-        "4.45-5.24": size(2, 3, 0),
+        "4.45-5.25": size(2, 3, 0),
     },
     "position_ids batch 3 != input batch 2": {ALL: size(2, 3, 0)},
     "cache batch 3 != input batch 2": {
         ALL: Raises(RuntimeError, "Sizes of tensors must match except in dimension 2. Expected size 3 but got size 2"),
     },
     # masks longer than cache + input, wrong 3D / 4D masks
-    "mask longer than cache + input, decode step": {"4.26-4.40": size(6, 9, 3), "4.45-5.24": ACCEPTED},
-    "mask longer than input, prefill": {"4.26-4.30": size(5, 7, 3), "4.36-4.40": size(7, 5, 3), "4.45-5.24": ACCEPTED},
+    "mask longer than cache + input, decode step": {"4.26-4.40": size(6, 9, 3), "4.45-5.25": ACCEPTED},
+    "mask longer than input, prefill": {"4.26-4.30": size(5, 7, 3), "4.36-4.40": size(7, 5, 3), "4.45-5.25": ACCEPTED},
     "prompt mask kept during chunked prefill": {
         "4.26-4.30": size(6, 9, 3),
         "4.36-4.40": size(9, 6, 3),
-        "4.45-5.24": ACCEPTED,
+        "4.45-5.25": ACCEPTED,
     },
     "4D mask with the wrong key length": {
         "4.26-4.30": size(6, 7, 3),
         "4.36": UNPACK,
         "4.40": Raises(ValueError, "Incorrect 4D attention_mask shape: (2, 1, 1, 7); expected: (2, 1, 1, 6)"),
         "4.45-5.0": ACCEPTED,
-        "5.10-5.24": size(6, 7, 3),
+        "5.10-5.25": size(6, 7, 3),
     },
     "3D mask with the wrong key length": {
         "4.26-4.30": size(6, 4, 3),
         "4.36": UNPACK,
         "4.40": ACCEPTED,
         "4.45-5.0": Raises(RuntimeError, "expand(torch.FloatTensor{[2, 2, 1, 1, 4]}, size=[2, 1, 1, 4])"),
-        "5.10-5.24": Raises(IndexError, "index 1 is out of bounds for dimension 1 with size 1"),
+        "5.10-5.25": Raises(IndexError, "index 1 is out of bounds for dimension 1 with size 1"),
     },
     "4D mask with the wrong query length": {
         "4.26-4.30": size(5, 20, 3),
         "4.36": UNPACK,
         "4.40": Raises(ValueError, "Incorrect 4D attention_mask shape: (2, 1, 4, 5); expected: (2, 1, 5, 5)"),
-        "4.45-5.24": size(5, 4, 2),
+        "4.45-5.25": size(5, 4, 2),
     },
     # cache layers of different lengths
     "cache layer 2 shorter, legacy tuples": {
         "4.26-4.40": size(5, 6, 3),
         "4.45-4.53": ACCEPTED,
-        "4.57-5.24": TUPLE_CACHE,
+        "4.57-5.25": TUPLE_CACHE,
     },
     "cache layer 3 shorter, Cache object": {
         "4.26-4.40": size(5, 6, 3),
         "4.45-5.0": ACCEPTED,
-        "5.10-5.24": size(5, 6, 3),
+        "5.10-5.25": size(5, 6, 3),
     },
     "cache layer 0 shorter": {ALL: size(6, 5, 3)},
-    "cache with fewer layers than the model": {"4.26-4.53": ACCEPTED, "4.57-5.24": TUPLE_CACHE},
+    "cache with fewer layers than the model": {"4.26-4.53": ACCEPTED, "4.57-5.25": TUPLE_CACHE},
     # empty steps, wrong embedding widths
-    "empty step with a cache": {"4.26-4.40": RESHAPE_EMPTY_4, "4.45-5.24": RESHAPE_EMPTY_5},
+    "empty step with a cache": {"4.26-4.40": RESHAPE_EMPTY_4, "4.45-5.25": RESHAPE_EMPTY_5},
     "empty prefill": {
         "4.26-4.30": RESHAPE_EMPTY_4,
         "4.36-4.40": Raises(IndexError, "index is out of bounds for dimension with size 0"),
-        "4.45-5.24": RESHAPE_EMPTY_5,
+        "4.45-5.25": RESHAPE_EMPTY_5,
     },
     "inputs_embeds of the wrong width": {ALL: size(31, 32, 2)},
     # sequences past max_position_embeddings
@@ -158,9 +158,9 @@ VANILLA: dict[str, dict[str, Outcome]] = {
     "decode step past max_position_embeddings": {ALL: OUT_OF_RANGE},
     "chunk crossing max_position_embeddings": {ALL: OUT_OF_RANGE},
     # what strict mode refuses and repair mode repairs
-    "strict: mask not extended": {"4.26-5.0": size(6, 5, 3), "5.10-5.24": WRONG},
-    "strict: full-length position_ids": {"4.26-4.30": size(2, 12, 0), "4.36-5.24": size(11, 6, 3)},
-    "strict: stale prompt position_ids": {"4.26-4.30": size(2, 10, 0), "4.36-5.24": size(10, 6, 3)},
+    "strict: mask not extended": {"4.26-5.0": size(6, 5, 3), "5.10-5.25": WRONG},
+    "strict: full-length position_ids": {"4.26-4.30": size(2, 12, 0), "4.36-5.25": size(11, 6, 3)},
+    "strict: stale prompt position_ids": {"4.26-4.30": size(2, 10, 0), "4.36-5.25": size(10, 6, 3)},
     "strict: a decode step's position disagrees with the mask": {ALL: WRONG},
     "strict: arange positions over a left-padded prefill": {ALL: WRONG},
     "strict: decoding from a right-padded prompt": {ALL: ACCEPTED},
@@ -168,19 +168,19 @@ VANILLA: dict[str, dict[str, Outcome]] = {
     "float position_ids": {ALL: INDICES_NOT_INTEGER},
     "float input_ids": {ALL: INDICES_NOT_INTEGER},
     # 4.45 on read the mask as "nonzero = real" (right for 2, inverted for an additive mask); before, 2 is garbage
-    "mask values other than 0 and 1": {"4.26-4.40": WRONG, "4.45-5.24": CORRECT},
+    "mask values other than 0 and 1": {"4.26-4.40": WRONG, "4.45-5.25": CORRECT},
     "additive mask (0 and -inf) passed as the padding mask": {ALL: ACCEPTED},
     "the chunk's own mask after a cache": {
         "4.26-4.30": size(6, 2, 3),
         "4.36-4.40": size(2, 6, 3),
         "4.45-5.0": size(6, 2, 3),
-        "5.10-5.24": ACCEPTED,
+        "5.10-5.25": ACCEPTED,
     },
     "mask covering some of the new tokens": {
         "4.26-4.30": size(7, 5, 3),
         "4.36-4.40": size(5, 7, 3),
         "4.45-5.0": size(7, 5, 3),
-        "5.10-5.24": ACCEPTED,
+        "5.10-5.25": ACCEPTED,
     },
     "cache of a model with other heads": {
         ALL: Raises(RuntimeError, "Sizes of tensors must match except in dimension 2. Expected size 2 but got size 4")
@@ -189,23 +189,23 @@ VANILLA: dict[str, dict[str, Outcome]] = {
         "4.26-4.40": Raises(IndexError, "index -1 is out of bounds for dimension 1 with size 0"),
         "4.45": RESHAPE_EMPTY_5,
         "4.48-5.0": Raises(IndexError, "index -1 is out of bounds for dimension 0 with size 0"),
-        "5.10-5.24": RESHAPE_EMPTY_5,
+        "5.10-5.25": RESHAPE_EMPTY_5,
     },
     # hand-written loops (tests/test_state.py): left-padded [6, 3, 5], the prompt's mask passed at every step
-    "loop keeping the prompt mask": {"4.26-5.0": size(7, 6, 3), "5.10-5.24": WRONG},
+    "loop keeping the prompt mask": {"4.26-5.0": size(7, 6, 3), "5.10-5.25": WRONG},
     # generate(full sequence, cache of a prefix) (tests/test_generate.py): up to 4.35 only the last token is fed
     "generate continuing a cache, 1 uncached token": {ALL: CORRECT},
-    "generate continuing a cache, 3 uncached tokens": {"4.26-4.30": size(4, 6, 3), "4.36-5.24": CORRECT},
+    "generate continuing a cache, 3 uncached tokens": {"4.26-4.30": size(4, 6, 3), "4.36-5.25": CORRECT},
     # a batch of no rows (tests/test_never_break.py), on both read paths; CORRECT: the logits of no rows
     "ids of no rows": {ALL: CORRECT},
-    "ids and mask of no rows": {"4.26-4.30": BATCH_SIZE, "4.36-5.24": CORRECT},
-    "ids, mask and positions of no rows": {"4.26-4.30": BATCH_SIZE, "4.36-5.24": CORRECT},
+    "ids and mask of no rows": {"4.26-4.30": BATCH_SIZE, "4.36-5.25": CORRECT},
+    "ids, mask and positions of no rows": {"4.26-4.30": BATCH_SIZE, "4.36-5.25": CORRECT},
     # with the chunk's positions or without: 5.10 on count 0 tokens for a cache layer of no rows (its keys' numel()),
     # build the chunk's mask for its 2 new tokens alone, and add it to the scores of the 3 cached and 2 new keys
     "a chunk of no rows after a prefill of no rows": {
         "4.26-4.30": BATCH_SIZE,
         "4.36-5.0": CORRECT,
-        "5.10-5.24": size(5, 2, 3),
+        "5.10-5.25": size(5, 2, 3),
     },
 }
 

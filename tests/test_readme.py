@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # the documentation site's pages (mkdocs.yml)
 README_MAX_LINES = 300  # issue 37: read in minutes; the rest lives on the site
-OUTPUTS_RECORDED_ON = "5.24.0"  # transformers; the pages' outputs were run and pasted on this release
+OUTPUTS_RECORDED_ON = "5.25.0"  # transformers; the pages' outputs were run and pasted on this release
 DOWNLOAD = re.compile(r"# downloads (\S+) from the Hub\b")
 RELEASES = re.compile(r"# transformers ([<>=!~][^:]*):")
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")

@@ -53,8 +53,11 @@ def test_the_module_docstring_and_the_docs_name_every_family():
         assert f"for {count_in_words()} decoder families" in text
         for family in FAMILIES.values():
             assert family.title in text, family.title
+    names = ", ".join(f"`{name}`" for name in FAMILIES)
     families = " ".join((ROOT / "docs/families.md").read_text().split())
-    assert ", ".join(f"`{name}`" for name in FAMILIES) + "." in families
+    assert names + "." in families
+    doctor = " ".join((ROOT / "docs/doctor.md").read_text().split())
+    assert f"runs the full table on that family's tiny model ({names})" in doctor  # --family NAME
 
 
 def test_the_plugins_fixture_and_the_tiny_models_cover_every_family():

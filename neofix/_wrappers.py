@@ -128,6 +128,8 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
     key, cache = _caches.of_call(call)
     if type(cache) is tuple and cache and adapter.legacy_cache_rejected:
         call[key] = cache = _legacy_cache(cache, model.config)
+    if cache is None and adapter.held_cache is not None:
+        cache = adapter.held_cache(model)  # read only: the call is passed on without it, as the layers expect
     view = NO_CACHE if cache is None else adapter.read_cache(cache, adapter.layers(model))
     if eager:
         adapter.check_step(model, view, call)

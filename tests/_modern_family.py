@@ -229,7 +229,8 @@ def test_stale_prompt_positions_are_a_clear_error(lm):
     """The prompt's position_ids on a decode step: vanilla fails on shapes deep inside attention; with rotary
     positions neofix cannot tell which scheme the cache was built with, so it names the mistake."""
     ids, mask = left_padded_batch(ROWS)
-    assert isinstance(vanilla(lambda: decode(lm, ids, mask, STEPS, positions="stale")), RuntimeError)
+    # (a ValueError where the eager attention checks its weights' size: Llama up to 4.37)
+    assert isinstance(vanilla(lambda: decode(lm, ids, mask, STEPS, positions="stale")), (RuntimeError, ValueError))
     error, _ = run(lambda: decode(lm, ids, mask, STEPS, positions="stale"))
     assert isinstance(error, neofix.PositionError), error
     assert str(error).startswith(

@@ -133,11 +133,13 @@ def _standard(
     )
 
 
-def _float64_mask(helper: str, family: str, since: str, until: str, *, widen: bool = False) -> Target:
+def _float64_mask(
+    helper: str, family: str, since: str, until: str, *, widen: bool = False, wrapper: str = ""
+) -> Target:
     """The module-level causal-mask ``helper`` a family imported, which overflows for float64 models in
     ``[since, until)``; ``widen`` for families that add the mask to float64 scores (see
-    :func:`neofix._wrappers.make_prepare_4d_mask_for_float64`)."""
-    wrapper = "make_prepare_4d_mask_in_float64" if widen else "make_prepare_4d_mask_for_float64"
+    :func:`neofix._wrappers.make_prepare_4d_mask_for_float64`); ``wrapper`` for one of the family's own."""
+    wrapper = wrapper or ("make_prepare_4d_mask_in_float64" if widen else "make_prepare_4d_mask_for_float64")
     last = f"{until.split('.')[0]}.{int(until.split('.')[1]) - 1}"
     return Target(
         "",
@@ -232,6 +234,10 @@ def _rotary(
     )
 
 
+#: Their sdpa helper's wrapper: float64 as the others, and up to 4.38 a left-padded chunk after a cache, which that
+#: helper unmasks wrongly (:func:`neofix._wrappers.make_prepare_4d_sdpa_mask`).
+SDPA_MASK = "make_prepare_4d_sdpa_mask"
+
 # Llama, Mistral, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has them;
 # Qwen2, Qwen3 and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does: through the
 # helpers below).  Before 4.42 several of them build their causal mask through transformers' helpers, which overflow
@@ -239,21 +245,21 @@ def _rotary(
 LLAMA = _rotary(
     "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
     _float64_mask("_prepare_4d_causal_attention_mask", "Llama", "4.36", "4.38"),
-    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Llama", "4.36", "4.38", widen=True),
+    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Llama", "4.36", "4.38", wrapper=SDPA_MASK),
     patched_from="4.30",
     untested="4.28 - 4.29 are not tested",
 )
 MISTRAL = _rotary(
     "mistral", "Mistral", "MistralModel", "MistralForCausalLM", "4.34",
     _float64_mask("_prepare_4d_causal_attention_mask", "Mistral", "4.36", "4.42"),
-    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Mistral", "4.36", "4.42", widen=True),
+    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Mistral", "4.36", "4.42", wrapper=SDPA_MASK),
     patched_from="4.36",
     untested="4.34 - 4.35 are not tested",
 )
 QWEN2 = _rotary(
     "qwen2", "Qwen2", "Qwen2Model", "Qwen2ForCausalLM", "4.37",
     _float64_mask("_prepare_4d_causal_attention_mask", "Qwen2", "4.37", "4.42"),
-    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Qwen2", "4.37", "4.42", widen=True),
+    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Qwen2", "4.37", "4.42", wrapper=SDPA_MASK),
 )
 QWEN3 = _rotary("qwen3", "Qwen3", "Qwen3Model", "Qwen3ForCausalLM", "4.51")
 GEMMA2 = _rotary(

@@ -18,8 +18,9 @@ Measured with tiny random models (``neofix.testing.tiny_model("llama")``), vanil
 * The causal mask: built by the model itself up to 4.35 (in the scores' dtype); through transformers'
   ``_prepare_4d_causal_attention_mask`` helpers on 4.36 - 4.37, which overflow for float64 models (vanilla cannot
   run one: neofix builds it in float32, see the family's targets); by ``_update_causal_mask`` from ``cache_position``
-  from 4.38.  4.36 - 4.37's sdpa helper fails on a left-padded chunk after a cache (``IndexError`` in
-  ``_unmask_unattended``, vanilla too; eager runs it).
+  from 4.38.  4.36 - 4.37's sdpa helper unmasks the wrong rows of a left-padded chunk after a cache (vanilla: wrong
+  tokens, or an ``IndexError``); neofix builds that mask right
+  (:func:`~neofix._wrappers.make_prepare_4d_sdpa_mask`).
 * ``cache_position``: taken from 4.38.  On 4.39 - 4.40 candidate decoding (assisted, prompt lookup) passes a wrong one
   (generate advances it by one per step, however many candidates were accepted), from which vanilla builds its mask:
   its tokens differ from greedy decoding's.  neofix replaces it, as any cache_position that does not follow the cache

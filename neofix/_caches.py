@@ -90,8 +90,8 @@ def _read_layers(cache_layers: list, layers: int, layout: tuple[int, int, int, i
 
 
 def _read_key_cache(cache: Any, layers: int, layout: tuple[int, int, int, int]) -> CacheView:
-    """transformers 4.36 - 4.55: a Cache object with parallel key/value lists, or one that only answers
-    ``get_seq_length``."""
+    """transformers 4.36 - 4.55: a Cache object with parallel key/value lists (or, 4.38 - 4.40's StaticCache, one per
+    attention layer, one layer's keys), or one that only answers ``get_seq_length``."""
     get_seq_length = getattr(cache, "get_seq_length", None)
     if get_seq_length is None:
         return CacheView(None, None, None, None, None, None, "unknown")
@@ -105,7 +105,10 @@ def _read_key_cache(cache: Any, layers: int, layout: tuple[int, int, int, int]) 
         lengths.append(length if type(length) is int else None)
     past = lengths[0] if lengths else None
     key_cache = getattr(cache, "key_cache", None)
-    key = key_cache[0] if key_cache else None
+    if isinstance(key_cache, _Tensor):  # 4.38 - 4.40's StaticCache: one per attention layer, its keys one tensor
+        key = key_cache
+    else:
+        key = key_cache[0] if key_cache else None
     batch = heads = head_dim = None
     if isinstance(key, _Tensor) and key.dim() == 4:
         batch, heads, head_dim = key.shape[layout[0]], key.shape[layout[1]], key.shape[layout[3]]

@@ -128,6 +128,8 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
     key, cache = _caches.of_call(call)
     if type(cache) is tuple and cache and adapter.legacy_cache_rejected:
         call[key] = cache = _legacy_cache(cache, model.config)
+    if cache is None and adapter.held_cache is not None:
+        cache = adapter.held_cache(model)  # read only: the call is passed on without it, as the layers expect
     view = NO_CACHE if cache is None else adapter.read_cache(cache, adapter.layers(model))
     if eager:
         adapter.check_step(model, view, call)
@@ -579,6 +581,44 @@ def make_prepare_4d_mask_in_float64(original: Any, adapter: Any) -> Callable[...
     return make_prepare_4d_mask_for_float64(original, adapter, widen=True)
 
 
+def make_prepare_4d_sdpa_mask(original: Any, adapter: Any) -> Callable[..., Any]:
+    """``_prepare_4d_causal_attention_mask_for_sdpa`` as Llama, Mistral and Qwen2 imported it (transformers 4.36 -
+    4.41): float64 models as :func:`make_prepare_4d_mask_in_float64`, and, up to 4.38, a left-padded chunk of several
+    tokens after a cache.
+
+    There ``AttentionMaskConverter._unmask_unattended`` (which lets the rows of left-padding queries attend to every
+    key, for sdpa's memory-efficient kernel) counts those rows as if the chunk started the sequence: it unmasks the
+    rows of real tokens (wrong tokens, no error) or indexes past the chunk (``IndexError``), vanilla transformers
+    alike.  neofix builds that step's mask with the eager helper (the same 4D mask, not unmasked) and unmasks the rows
+    every key of which is masked, as transformers 4.39 does.
+    """
+    float64 = make_prepare_4d_mask_for_float64(original, adapter, widen=True)
+    if _compat.release() >= (4, 39):
+        return float64
+    from transformers import modeling_attn_mask_utils
+
+    eager = make_prepare_4d_mask_for_float64(
+        modeling_attn_mask_utils._prepare_4d_causal_attention_mask, adapter, widen=True
+    )
+    names = ("attention_mask", "input_shape", "inputs_embeds", "past_key_values_length", "sliding_window")
+
+    @functools.wraps(original)
+    def prepare_4d_causal_attention_mask_for_sdpa(*args: Any, **kwargs: Any) -> Any:
+        bound = {**dict(zip(names, args)), **kwargs}
+        mask, shape = bound.get("attention_mask"), bound.get("input_shape")
+        past = bound.get("past_key_values_length")
+        if (
+            isinstance(mask, torch.Tensor) and not is_tracing(mask) and mask.dim() == 2 and shape is not None
+            and shape[-1] > 1 and isinstance(past, int) and past > 0 and not bool(torch.all(mask == 1))
+        ):
+            expanded = eager(**bound)
+            masked = torch.all(expanded == torch.finfo(expanded.dtype).min, dim=-1, keepdim=True)
+            return expanded.mul(~masked)
+        return float64(*args, **kwargs)
+
+    return _mark(prepare_4d_causal_attention_mask_for_sdpa)
+
+
 __all__ = [
     "MARK",
     "make_flash_attention_forward",
@@ -587,5 +627,6 @@ __all__ = [
     "make_model_forward",
     "make_prepare_4d_mask_for_float64",
     "make_prepare_4d_mask_in_float64",
+    "make_prepare_4d_sdpa_mask",
     "make_prepare_inputs_for_generation",
 ]

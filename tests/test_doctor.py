@@ -557,6 +557,19 @@ def test_rotary_family_runs_the_scenarios_that_apply_to_it(monkeypatch):
     ]
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_the_modern_decoders_before_4_45_are_right_where_transformers_is_not(monkeypatch, family):
+    """Before 4.45 (where tox.ini runs no full doctor table for them): a left-padded chunked prefill, which the sdpa
+    mask helper of 4.36 - 4.38 unmasks wrongly (vanilla: wrong tokens; neofix builds the mask right), and beam search,
+    whose full-recompute reference on 4.39 - 4.40 must leave out the stale cache_position generate passes without a
+    cache (else the reference itself is wrong)."""
+    if TF_RELEASE >= (4, 45) or not hasattr(transformers, _CONFIGS[family][0]) or not FAMILIES[family].patched_here():
+        pytest.skip(f"transformers {transformers.__version__}: not a release before 4.45 that patches {family}")
+    monkeypatch.setattr(_scenarios, "SCENARIOS", scenarios("chunked_prefill", "generate_beam"))
+    report = _doctor.run(family=family, others=False)
+    assert [(row.key, row.right) for row in report.rows] == [("chunked_prefill", True), ("generate_beam", True)]
+
+
 def test_local_window_crossed_only_by_longer_sequences():
     """The longest sequence (6 + 8 tokens) crosses a local window of 13, not one of 14, which it fills exactly."""
     for window, crossed in ((13, True), (14, False)):

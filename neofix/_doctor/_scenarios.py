@@ -81,8 +81,28 @@ class Context:
                 self._references[key] = _finish_like_generate(self.reference(), self.eos, self.pad)
             else:
                 # beam search by full recompute: transformers' own beam search with the cache turned off
-                self._references[key] = self.generate(beams, use_cache=False)
+                self._references[key] = self._without_cache_position(lambda: self.generate(beams, use_cache=False))
         return self._references[key]
+
+    def _without_cache_position(self, call: Any) -> Any:
+        """``call()``; on transformers 4.39 - 4.40, with the ``cache_position`` generate passes taken out of every
+        forward: without a cache those releases' generate passes one position (the last one plus one) for every token
+        fed, from which the model builds a wrong causal mask (Llama: a wrong reference, vanilla and patched alike);
+        left out, the model counts every token's position itself, as a full recompute must."""
+        from .. import _compat
+
+        if not (4, 39) <= _compat.release() < (4, 41):
+            return call()
+
+        def drop(_module: Any, args: Any, kwargs: dict) -> Any:
+            kwargs.pop("cache_position", None)
+            return args, kwargs
+
+        handle = self.model.register_forward_pre_hook(drop, with_kwargs=True)
+        try:
+            return call()
+        finally:
+            handle.remove()
 
     @torch.no_grad()
     def generate(self, beams: int, **kwargs: Any) -> torch.Tensor:

@@ -133,11 +133,13 @@ def _standard(
     )
 
 
-def _float64_mask(helper: str, family: str, since: str, until: str, *, widen: bool = False) -> Target:
+def _float64_mask(
+    helper: str, family: str, since: str, until: str, *, widen: bool = False, wrapper: str = ""
+) -> Target:
     """The module-level causal-mask ``helper`` a family imported, which overflows for float64 models in
     ``[since, until)``; ``widen`` for families that add the mask to float64 scores (see
-    :func:`neofix._wrappers.make_prepare_4d_mask_for_float64`)."""
-    wrapper = "make_prepare_4d_mask_in_float64" if widen else "make_prepare_4d_mask_for_float64"
+    :func:`neofix._wrappers.make_prepare_4d_mask_for_float64`); ``wrapper`` for one of the family's own."""
+    wrapper = wrapper or ("make_prepare_4d_mask_in_float64" if widen else "make_prepare_4d_mask_for_float64")
     last = f"{until.split('.')[0]}.{int(until.split('.')[1]) - 1}"
     return Target(
         "",
@@ -204,36 +206,73 @@ BLOOM = _standard(
     "but BLOOM's keys there are (batch * heads, head_dim, tokens): it would feed the wrong tokens",
 )
 
-#: The first release on which the modern decoders are patched: the one their tests start from.  Before it (4.28 -
-#: 4.44) their attention masks are built by code neofix has not been verified against (in float64 the mask helpers of
-#: 4.30 and 4.36 overflow, vanilla and patched alike), so they are left as transformers has them, and said so.
-MODERN_FROM = "4.45"
-
-
-def _rotary(name: str, title: str, base_model: str, causal_lm: str, since: str) -> Family:
-    """A decoder of Llama's kind (rotary positions, no position table) that arrived in transformers ``since``; patched
-    from :data:`MODERN_FROM` (or its arrival, if later)."""
-    patched_from = max(since, MODERN_FROM, key=lambda version: tuple(map(int, version.split("."))))
+def _rotary(
+    name: str,
+    title: str,
+    base_model: str,
+    causal_lm: str,
+    since: str,
+    *more: Target,
+    patched_from: str | None = None,
+    untested: str = "",
+) -> Family:
+    """A decoder of Llama's kind (rotary positions, no position table) that arrived in transformers ``since``, plus
+    ``more``; patched from its arrival, or from ``patched_from`` where neofix is not tested on the releases before it
+    (``untested`` says which, and why: the lifecycle and ``neofix doctor`` report it)."""
+    patched_from = patched_from or since
     return _standard(
         name,
         title,
         base_model,
         causal_lm,
+        *more,
         no_stopping=f"{title}'s rotary positions extrapolate past max_position_embeddings: no generate call runs past "
         "a table, so there is nothing to refuse",
         since=patched_from,
         why_since=f"neofix patches {title} from transformers {patched_from} (transformers has it from {since}; "
-        f"earlier releases are not tested)" if patched_from != since else "",
+        f"{untested})" if patched_from != since else "",
     )
 
 
-LLAMA = _rotary("llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28")
-MISTRAL = _rotary("mistral", "Mistral", "MistralModel", "MistralForCausalLM", "4.34")
-QWEN2 = _rotary("qwen2", "Qwen2", "Qwen2Model", "Qwen2ForCausalLM", "4.37")
+#: Their sdpa helper's wrapper: float64 as the others, and up to 4.38 a left-padded chunk after a cache, which that
+#: helper unmasks wrongly (:func:`neofix._wrappers.make_prepare_4d_sdpa_mask`).
+SDPA_MASK = "make_prepare_4d_sdpa_mask"
+
+# Llama, Mistral, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has them;
+# Qwen2, Qwen3 and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does: through the
+# helpers below).  Before 4.42 several of them build their causal mask through transformers' helpers, which overflow
+# in float64 (vanilla cannot run a float64 model there; neofix can).
+LLAMA = _rotary(
+    "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
+    _float64_mask("_prepare_4d_causal_attention_mask", "Llama", "4.36", "4.38"),
+    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Llama", "4.36", "4.38", wrapper=SDPA_MASK),
+    patched_from="4.30",
+    untested="4.28 - 4.29 are not tested",
+)
+MISTRAL = _rotary(
+    "mistral", "Mistral", "MistralModel", "MistralForCausalLM", "4.34",
+    _float64_mask("_prepare_4d_causal_attention_mask", "Mistral", "4.36", "4.42"),
+    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Mistral", "4.36", "4.42", wrapper=SDPA_MASK),
+    patched_from="4.36",
+    untested="4.34 - 4.35 are not tested",
+)
+QWEN2 = _rotary(
+    "qwen2", "Qwen2", "Qwen2Model", "Qwen2ForCausalLM", "4.37",
+    _float64_mask("_prepare_4d_causal_attention_mask", "Qwen2", "4.37", "4.42"),
+    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Qwen2", "4.37", "4.42", wrapper=SDPA_MASK),
+)
 QWEN3 = _rotary("qwen3", "Qwen3", "Qwen3Model", "Qwen3ForCausalLM", "4.51")
-GEMMA2 = _rotary("gemma2", "Gemma2", "Gemma2Model", "Gemma2ForCausalLM", "4.42")
+GEMMA2 = _rotary(
+    "gemma2", "Gemma2", "Gemma2Model", "Gemma2ForCausalLM", "4.42",
+    patched_from="4.45",
+    untested="4.42 - 4.44 are not tested: no release of the test matrix has them",
+)
 GEMMA3 = _rotary("gemma3", "Gemma3", "Gemma3TextModel", "Gemma3ForCausalLM", "4.50")
-PHI3 = _rotary("phi3", "Phi3", "Phi3Model", "Phi3ForCausalLM", "4.40")
+PHI3 = _rotary(
+    "phi3", "Phi3", "Phi3Model", "Phi3ForCausalLM", "4.41",
+    patched_from="4.45",
+    untested="4.41 - 4.44 are not tested: no release of the test matrix has them",
+)
 
 #: Every family neofix patches, by name.
 FAMILIES: dict[str, Family] = {

@@ -67,6 +67,10 @@ class Adapter:
     legacy_cache_rejected: bool = False
     #: The forward reads 1D ``input_ids`` as one row on this release: such a call is passed on untouched.
     flat_input_ids_accepted: bool = False
+    #: ``held_cache(model)``: the cache the model's attention layers hold themselves, read where the forward is given
+    #: none (Llama 4.38 - 4.40: ``generate(cache_implementation="static")`` sets a ``StaticCache`` on every attention
+    #: layer and passes ``past_key_values=None``); ``None`` for a family whose layers hold none.
+    held_cache: Optional[Callable[[Any], Any]] = None
     #: ``explain_overflow(error, config, mask, positions, past)``: for a family whose position limit depends on the
     #: mask's values (OPT), turns the lookup's ``IndexError`` into :class:`~neofix.SequenceTooLongError` (raises).
     explain_overflow: Optional[Callable[..., None]] = None

@@ -1,9 +1,10 @@
 """Llama's adapter: how its forward, config and cache read on each transformers release.
 
 Imported when transformers loads Llama's modeling module (so torch and transformers are loaded already); the family
-arrived in transformers 4.28.
+arrived in transformers 4.28, and neofix patches it from 4.30 (4.28 - 4.29 are not tested).
 
-Measured with tiny random models (``neofix.testing.tiny_model("llama")``), vanilla transformers 4.45, 4.57 and 5.24:
+Measured with tiny random models (``neofix.testing.tiny_model("llama")``), vanilla transformers 4.30, 4.36, 4.40,
+4.45, 4.57 and 5.24:
 
 * Positions are rotary: only differences matter, so a left-padded row decodes the same whether its positions count
   the padding (transformers' own) or start at its first real token (the mask's), and a chunked prefill without
@@ -11,8 +12,22 @@ Measured with tiny random models (``neofix.testing.tiny_model("llama")``), vanil
   ``cache.get_seq_length()`` (5.x, which takes no ``cache_position``).
 * ``max_position_embeddings`` is no table: the rotary embedding computes any position, and cached decoding past it
   equals the full recompute.  neofix adds no limit there.
-* Keys are ``(batch, key_value_heads, tokens, head_dim)``: with grouped-query attention fewer heads than the
-  queries', and ``head_dim`` from the config where it says (4.45 on), else ``hidden_size // num_attention_heads``.
+* Keys are ``(batch, key_value_heads, tokens, head_dim)``: with grouped-query attention (4.31 on; 4.30 gives the
+  cache every query head, whatever the config says) fewer heads than the queries', and ``head_dim`` from the config
+  where it says (4.45 on), else ``hidden_size // num_attention_heads``.
+* The causal mask: built by the model itself up to 4.35 (in the scores' dtype); through transformers'
+  ``_prepare_4d_causal_attention_mask`` helpers on 4.36 - 4.37, which overflow for float64 models (vanilla cannot
+  run one: neofix builds it in float32, see the family's targets); by ``_update_causal_mask`` from ``cache_position``
+  from 4.38.  4.36 - 4.37's sdpa helper unmasks the wrong rows of a left-padded chunk after a cache (vanilla: wrong
+  tokens, or an ``IndexError``); neofix builds that mask right
+  (:func:`~neofix._wrappers.make_prepare_4d_sdpa_mask`).
+* ``cache_position``: taken from 4.38.  On 4.39 - 4.40 candidate decoding (assisted, prompt lookup) passes a wrong one
+  (generate advances it by one per step, however many candidates were accepted), from which vanilla builds its mask:
+  its tokens differ from greedy decoding's.  neofix replaces it, as any cache_position that does not follow the cache
+  (said once), and gives greedy decoding's tokens.
+* Static caches on 4.38 - 4.40: ``generate(cache_implementation="static")`` sets a ``StaticCache`` on every attention
+  layer (``_setup_cache``) and gives the forward ``past_key_values=None``; neofix reads that cache
+  (:func:`held_cache`).
 * Legacy tuple caches: converted with a deprecation warning up to 4.47 (measured on 4.45); from 4.48, where
   ``LlamaModel.forward`` lost its ``DynamicCache.from_legacy_cache`` (read in the 4.47.1 and 4.48.0 sources), they
   fail (``'tuple' object has no attribute 'get_seq_length'``, measured on 4.57 and 5.24).
@@ -29,11 +44,16 @@ from . import LLAMA
 from ._contract import Adapter, make_layers
 
 
+#: Llama's attention reads ``num_key_value_heads`` (grouped-query attention) from 4.31; 4.28 - 4.30 give the cache
+#: every query head, whatever the config says (the config keeps any keyword it is given).
+GROUPED_QUERY = _compat.release() >= (4, 31)
+
+
 def limits(config: Any) -> Limits:
     """No position table (rotary: running past ``max_position_embeddings`` is no error); the cache's keys have the
-    key-value heads (grouped-query attention) of ``head_dim`` each."""
+    key-value heads (grouped-query attention, 4.31 on) of ``head_dim`` each."""
     heads = config.num_attention_heads
-    key_value_heads = getattr(config, "num_key_value_heads", None) or heads
+    key_value_heads = (getattr(config, "num_key_value_heads", None) if GROUPED_QUERY else None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return Limits(
         max_positions=None,
@@ -44,6 +64,15 @@ def limits(config: Any) -> Limits:
     )
 
 
+def held_cache(model: Any) -> Any:
+    """The static cache ``generate(cache_implementation="static")`` sets on every attention layer on transformers 4.38
+    - 4.40 (``LlamaForCausalLM._setup_cache``; the forward is then given ``past_key_values=None``, and each layer reads
+    its own), or ``None``."""
+    layers = model._modules.get("layers")
+    attention = getattr(layers[0], "self_attn", None) if layers else None
+    return getattr(attention, "past_key_value", None)
+
+
 ADAPTER = Adapter(
     family=LLAMA,
     positions=Positions.ROTARY,
@@ -52,4 +81,5 @@ ADAPTER = Adapter(
     # no window: a static cache's empty slots are masked by the 4D mask transformers builds for it (no check of its
     # own).  Legacy tuple caches fail from 4.48 (4.45 converts them with a deprecation warning)
     legacy_cache_rejected=_compat.release() >= (4, 48),
+    held_cache=held_cache if (4, 38) <= _compat.release() < (4, 41) else None,
 )

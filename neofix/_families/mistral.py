@@ -1,10 +1,16 @@
 """Mistral's adapter: how its forward, config and cache read on each transformers release.
 
 Imported when transformers loads Mistral's modeling module (so torch and transformers are loaded already); the family
-arrived in transformers 4.34.  Mistral is Llama's shape (rotary positions, grouped-query attention, no position
-table: everything :mod:`neofix._families.llama` says holds, measured the same way on 4.45, 4.57 and 5.24) plus a
-sliding window (``config.sliding_window``: each token attends to the last ``sliding_window`` tokens):
+arrived in transformers 4.34, and neofix patches it from 4.36 (4.34 - 4.35 are not tested).  Mistral is Llama's shape
+(rotary positions, grouped-query attention, no position table: everything :mod:`neofix._families.llama` says holds,
+measured the same way on 4.36, 4.40, 4.45, 4.57 and 5.24) plus a sliding window (``config.sliding_window``: each token
+attends to the last ``sliding_window`` tokens):
 
+* 4.36 - 4.41: the causal mask is built by transformers' ``_prepare_4d_causal_attention_mask`` helpers (the window
+  included), which overflow for float64 models (neofix builds it in float32: the family's targets); 4.36 has eager
+  attention only (and flash-attention-2), 4.40 sdpa too (whose helper, up to 4.38, unmasks the wrong rows of a
+  left-padded chunk after a cache: :func:`~neofix._wrappers.make_prepare_4d_sdpa_mask`, read in the sources).  No
+  ``cache_position`` before 4.42.
 * 4.45: the cache keeps every token; the window is applied in the 4D mask transformers builds.
 * 4.56 and later: the model's own ``DynamicCache`` holds sliding-window layers that keep only the last
   ``sliding_window - 1`` keys but count every token (``get_seq_length``), so the cache's length read from it is the

@@ -1,4 +1,5 @@
-"""Phi3's adapter (transformers 4.40 and later).
+"""Phi3's adapter (transformers 4.45 and later: the family arrived in 4.41, and no release of the test matrix has
+4.41 - 4.44, so neofix leaves it as transformers has it there).
 
 Llama's shape (:mod:`neofix._families.llama`) with fused query-key-value and gate-up projections; measured on 4.45,
 4.57 and 5.24 with ``neofix.testing.tiny_model("phi3")``.  ``Phi3ForCausalLM`` on 4.45 accepts ``cache_position`` but

@@ -4,8 +4,8 @@ that takes seconds where callgrind takes hours at the 125M shape.
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_bytecodes.py                 # every kind, both shapes
     PYTHONPATH=/path/to/other/tree python benchmarks/bench_bytecodes.py --top 20 --kinds decode
 
-The wrapper (``make_model_forward`` around GPT-Neo's adapter) is rebuilt around a stand-in for transformers' forward
-that returns at once, as ``bench_own_decode.py`` does, so every counted bytecode is neofix's (plus the cache's own
+The wrapper (``make_model_forward`` around GPT-Neo's adapter) is rebuilt around ``bench_own_decode.py``'s stand-in for
+transformers' forward, which returns at once, so every counted bytecode is neofix's (plus the cache's own
 ``get_seq_length`` that its reader calls, and torch's ``is_compiling``).  ``sys.settrace`` with opcode events counts
 them over ``--calls`` calls after a warm-up.  Counts repeat exactly from run to run; they leave out the work done in C
 (a torch operation, ``tolist``), which ``bench_instructions.py`` counts.  PYTHONPATH picks the tree measured, so two
@@ -32,16 +32,12 @@ KINDS = ("decode", "decode loop", "decode loop+positions", "prefill", "chunk+pos
 SHAPES = {"tiny": (2, [(2, 32)]), "125m": (12, [(1, 100), (4, 100)])}
 
 
-def stand_in(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
-             position_ids=None, head_mask=None, inputs_embeds=None, use_cache=None, output_attentions=None,
-             output_hidden_states=None, return_dict=None, cache_position=None, **kwargs):
-    return None
-
-
 def build(layers: int, batch: int, length: int, kind: str, padded: bool) -> tuple[Any, Any, Any, dict]:
     import torch
     from transformers import GPTNeoConfig, GPTNeoModel
     from transformers.cache_utils import DynamicCache
+
+    from bench_own_decode import stand_in  # transformers' forward returning at once (this folder is on sys.path)
 
     from neofix import _wrappers
     from neofix._families import FAMILIES
@@ -62,7 +58,7 @@ def build(layers: int, batch: int, length: int, kind: str, padded: bool) -> tupl
     ids = torch.ones(batch, new, dtype=torch.long)
     kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": True}
     if past:
-        cache = DynamicCache(config=config)
+        cache = DynamicCache(config=config) if "config" in DynamicCache.__init__.__code__.co_varnames else DynamicCache()
         for layer in range(layers):
             keys = torch.zeros(batch, 4, past, 8)
             cache.update(keys, keys, layer)

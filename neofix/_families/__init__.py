@@ -234,9 +234,17 @@ def _rotary(
     )
 
 
-#: Their sdpa helper's wrapper: float64 as the others, and up to 4.38 a left-padded chunk after a cache, which that
-#: helper unmasks wrongly (:func:`neofix._wrappers.make_prepare_4d_sdpa_mask`).
-SDPA_MASK = "make_prepare_4d_sdpa_mask"
+def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, Target]:
+    """The eager and the sdpa causal-mask helpers a rotary family imported in ``[since, until)``, which overflow for
+    float64 models; the sdpa one also unmasks a left-padded chunk after a cache wrongly up to 4.38
+    (:func:`neofix._wrappers.make_prepare_4d_sdpa_mask`)."""
+    return (
+        _float64_mask("_prepare_4d_causal_attention_mask", family, since, until),
+        _float64_mask(
+            "_prepare_4d_causal_attention_mask_for_sdpa", family, since, until, wrapper="make_prepare_4d_sdpa_mask"
+        ),
+    )
+
 
 # Llama, Mistral, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has them;
 # Qwen2, Qwen3 and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does: through the
@@ -244,22 +252,19 @@ SDPA_MASK = "make_prepare_4d_sdpa_mask"
 # in float64 (vanilla cannot run a float64 model there; neofix can).
 LLAMA = _rotary(
     "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
-    _float64_mask("_prepare_4d_causal_attention_mask", "Llama", "4.36", "4.38"),
-    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Llama", "4.36", "4.38", wrapper=SDPA_MASK),
+    *_rotary_float64_masks("Llama", "4.36", "4.38"),
     patched_from="4.30",
     untested="4.28 - 4.29 are not tested",
 )
 MISTRAL = _rotary(
     "mistral", "Mistral", "MistralModel", "MistralForCausalLM", "4.34",
-    _float64_mask("_prepare_4d_causal_attention_mask", "Mistral", "4.36", "4.42"),
-    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Mistral", "4.36", "4.42", wrapper=SDPA_MASK),
+    *_rotary_float64_masks("Mistral", "4.36", "4.42"),
     patched_from="4.36",
     untested="4.34 - 4.35 are not tested",
 )
 QWEN2 = _rotary(
     "qwen2", "Qwen2", "Qwen2Model", "Qwen2ForCausalLM", "4.37",
-    _float64_mask("_prepare_4d_causal_attention_mask", "Qwen2", "4.37", "4.42"),
-    _float64_mask("_prepare_4d_causal_attention_mask_for_sdpa", "Qwen2", "4.37", "4.42", wrapper=SDPA_MASK),
+    *_rotary_float64_masks("Qwen2", "4.37", "4.42"),
 )
 QWEN3 = _rotary("qwen3", "Qwen3", "Qwen3Model", "Qwen3ForCausalLM", "4.51")
 GEMMA2 = _rotary(

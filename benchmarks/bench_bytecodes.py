@@ -3,13 +3,17 @@ that takes seconds where callgrind takes hours at the 125M shape.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_bytecodes.py                 # every kind, both shapes
     PYTHONPATH=/path/to/other/tree python benchmarks/bench_bytecodes.py --top 20 --kinds decode
+    PYTHONPATH=. python benchmarks/bench_bytecodes.py --instructions     # callgrind's instructions instead (minutes)
 
 The wrapper (``make_model_forward`` around GPT-Neo's adapter) is rebuilt around ``bench_own_decode.py``'s stand-in for
 transformers' forward, which returns at once, so every counted bytecode is neofix's (plus the cache's own
 ``get_seq_length`` that its reader calls, and torch's ``is_compiling``).  ``sys.settrace`` with opcode events counts
 them over ``--calls`` calls after a warm-up.  Counts repeat exactly from run to run; they leave out the work done in C
-(a torch operation, ``tolist``), which ``bench_instructions.py`` counts.  PYTHONPATH picks the tree measured, so two
-builds are compared by running this script twice.
+(a torch operation, ``tolist``).  ``--instructions`` counts that too: the same calls run under ``valgrind
+--tool=callgrind`` with collection switched on only around them (``bench_instructions.py``'s shim), and each row gives
+the machine instructions per call (Ir), the measure issue 36's budget is stated in; unlike ``bench_instructions.py``
+it runs no model, so the 125M shape takes minutes, not hours.  PYTHONPATH picks the tree measured, so two builds are
+compared by running this script twice.
 
 Shapes: ``tiny`` (2 layers, batch 2, 32 tokens) and ``125m`` (12 layers as gpt-neo-125M, batch 1 and 4, 100 cached
 or prompt tokens; widths do not change a count).  Kinds: ``decode`` (generate's step: one token, the mask one column
@@ -92,6 +96,68 @@ def count(forward: Any, model: Any, ids: Any, kwargs: dict, calls: int, warmup: 
     return counts
 
 
+def callgrind_counts(args: argparse.Namespace, rows: list[tuple]) -> list[float]:
+    """Instructions per call of each row (``inner_rows``' calls, under callgrind: about a minute a row)."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from bench_instructions import build_shim
+
+    folder = Path(tempfile.mkdtemp(prefix="neofix-bytecodes."))
+    try:
+        command = [
+            "valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+            f"--callgrind-out-file={folder}/callgrind.out.%p", sys.executable, __file__, "--inner",
+            "--shapes", args.shapes, "--kinds", args.kinds, "--calls", str(args.calls), "--warmup", str(args.warmup),
+        ]
+        env = {**os.environ, "NEOFIX_CALLGRIND_SHIM": str(build_shim(folder))}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(done.stderr[-4000:])
+        counts = {}
+        for path in folder.glob("callgrind.out.*.*"):
+            text = path.read_text(errors="replace")
+            trigger = re.search(r"^desc: Trigger: Client Request: row (\d+)$", text, re.M)
+            totals = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+            if trigger and totals:
+                counts[int(trigger.group(1))] = int(totals.group(1)) / args.calls
+        return [counts[index] for index in range(len(rows))]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def rows_of(args: argparse.Namespace) -> list[tuple]:
+    rows = []
+    for shape in args.shapes.split(","):
+        layers, sizes = SHAPES[shape]
+        for kind in args.kinds.split(","):
+            for batch, length in sizes:
+                for padded in (False, True) if batch > 1 else (False,):
+                    rows.append((kind, shape, layers, batch, length, padded))
+    return rows
+
+
+def inner(args: argparse.Namespace) -> None:
+    """Under callgrind: each row's calls counted, one dump per row."""
+    import ctypes
+
+    cg = ctypes.CDLL(os.environ["NEOFIX_CALLGRIND_SHIM"])
+    for index, (kind, shape, layers, batch, length, padded) in enumerate(rows_of(args)):
+        forward, model, ids, kwargs = build(layers, batch, length, kind, padded)
+        for _ in range(args.warmup):
+            forward(model, ids, **kwargs)
+        cg.neofix_start()  # (instrumentation from the first row's counted calls on: importing torch under it is slow)
+        cg.neofix_zero()
+        cg.neofix_toggle()
+        for _ in range(args.calls):
+            forward(model, ids, **kwargs)
+        cg.neofix_toggle()
+        cg.neofix_dump(f"row {index}".encode())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="tiny,125m", help="comma-separated: tiny, 125m")
@@ -99,25 +165,32 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10, help="counted calls (default 10)")
     parser.add_argument("--warmup", type=int, default=50, help="uncounted calls first (default 50)")
     parser.add_argument("--top", type=int, default=0, help="also print the N costliest functions of each row")
+    parser.add_argument(
+        "--instructions", action="store_true", help="also count machine instructions per call, under callgrind"
+    )
+    parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     warnings.simplefilter("ignore")
     import neofix  # noqa: F401  (the patch, as users have it)
     import transformers
 
+    if args.inner:
+        inner(args)
+        return
+    instructions = callgrind_counts(args, rows_of(args)) if args.instructions else None
+
     print(f"neofix {neofix.__version__} from {os.path.dirname(neofix.__file__)}, transformers {transformers.__version__}")
-    print(f"{'kind':22} {'shape':6} {'layers':>6} {'batch x tokens':>15} {'padding':>11} {'bytecodes/call':>15}")
-    for shape in args.shapes.split(","):
-        layers, sizes = SHAPES[shape]
-        for kind in args.kinds.split(","):
-            for batch, length in sizes:
-                for padded in (False, True) if batch > 1 else (False,):
-                    counts = count(*build(layers, batch, length, kind, padded), args.calls, args.warmup)
-                    total = sum(counts.values()) / args.calls
-                    padding = "left-padded" if padded else "unpadded"
-                    print(f"{kind:22} {shape:6} {layers:6} {f'{batch} x {length}':>15} {padding:>11} {total:15.0f}")
-                    for name, n in counts.most_common(args.top):
-                        print(f"{'':8}{n / args.calls:8.0f}  {name}")
+    extra = f" {'instructions/call':>17}" if instructions else ""
+    print(f"{'kind':22} {'shape':6} {'layers':>6} {'batch x tokens':>15} {'padding':>11} {'bytecodes/call':>15}{extra}")
+    for index, (kind, shape, layers, batch, length, padded) in enumerate(rows_of(args)):
+        counts = count(*build(layers, batch, length, kind, padded), args.calls, args.warmup)
+        total = sum(counts.values()) / args.calls
+        padding = "left-padded" if padded else "unpadded"
+        extra = f" {instructions[index]:17.0f}" if instructions else ""
+        print(f"{kind:22} {shape:6} {layers:6} {f'{batch} x {length}':>15} {padding:>11} {total:15.0f}{extra}")
+        for name, n in counts.most_common(args.top):
+            print(f"{'':8}{n / args.calls:8.0f}  {name}")
 
 
 if __name__ == "__main__":

@@ -85,9 +85,9 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if rebound_by_fx(args):  # torch.fx traces this forward as its root, its code rebound: vanilla's graph
             # (rebinding needs a local name per parameter of the original, up to 16 on transformers 4.57; the
-            # names of _FX_ROOM keep room for them, tests/test_fx_families.py pins it)
+            # names of _FX_ROOM keep room for them, tests/test_tracing_fx_families.py pins it)
             return trace_original_as_root(original)
-        call = {**dict(zip(names, args)), **kwargs}
+        call = {**dict(zip(names, args)), **kwargs} if args else kwargs  # (kwargs: this call's own dict)
         input_ids = call.get("input_ids")
         traced = tracer(input_ids if input_ids is not None else call.get("inputs_embeds"))
         if traced == STEPPING_ASIDE or _passed_on(input_ids, adapter):
@@ -98,10 +98,15 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
         limits = model_limits(self, adapter) if eager else adapter.limits(self.config)  # (compiled: constants)
         view = _read_cache(self, call, adapter, eager)
         step = _step_inputs(call)
-        kept, facts = _keeps_every_rule(step, view, limits, adapter) if eager and not _reports.listeners else _NO
+        try:
+            kept, aligned = _judge(step, view, limits, call, adapter, eager)
+        except NeofixError:
+            fresh = model_limits(self, adapter, afresh=True) if eager else limits
+            if fresh == limits:
+                raise  # refused on the model as it is
+            kept, aligned = _judge(step, view, fresh, call, adapter, eager)  # its config was edited since: again
         if kept:  # the usual step: nothing to change (see keeps_every_rule)
-            return _call(original, self, call, view, limits, adapter)
-        aligned = align(step, view, limits, _policy(call, adapter, eager), facts)
+            return _call(original, self, call, view, adapter)
         if aligned is None:  # neither input_ids nor inputs_embeds: transformers raises its own error
             return original(self, **call)
         _apply(aligned, call, takes_positions)
@@ -111,7 +116,7 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
                 _reports.deliver(aligned.report)
             if _reports.listeners:
                 _reports.emit(_step_info(self, aligned, view, step.attention_mask))
-        return _call(original, self, call, view, limits, adapter, aligned.right_padded)
+        return _call(original, self, call, view, adapter, aligned.right_padded)
         _a = _b = _c = _d = _e = _f = _g = _h = _i = _j = _k = None  # _FX_ROOM: never runs (see above)
 
     return _mark(forward)
@@ -119,7 +124,7 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
 
 def _passed_on(input_ids: Any, adapter: Adapter) -> bool:
     """1D ``input_ids`` on a release whose forward reads them as one row: transformers' own business."""
-    return input_ids is not None and input_ids.dim() != 2 and adapter.flat_input_ids_accepted
+    return adapter.flat_input_ids_accepted and input_ids is not None and input_ids.dim() != 2
 
 
 def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheView:
@@ -146,13 +151,21 @@ def _step_inputs(call: dict) -> StepInputs:
 _new_tuple = tuple.__new__
 
 
-_NO = (False, None)
-
-
-def _keeps_every_rule(step: StepInputs, view: CacheView, limits: Limits, adapter: Adapter) -> tuple[bool, Any]:
-    given = step.position_ids
-    trusted = given is not None and _is_trusted(given)
-    return keeps_every_rule(step, view, limits, adapter.positions, trusted, settings.check_values, settings.strict)
+def _judge(
+    step: StepInputs, view: CacheView, limits: Limits, call: dict, adapter: Adapter, eager: bool
+) -> tuple[bool, Aligned | None]:
+    """``(True, None)`` for a step that keeps every rule (nothing to change: see keeps_every_rule), else ``(False,
+    align's answer)``, given the values' facts where the first pass read them (a step's values are read once)."""
+    facts = None
+    if eager and not _reports.listeners:
+        given = step.position_ids
+        trusted = given is not None and _is_trusted(given)
+        kept, facts = keeps_every_rule(
+            step, view, limits, adapter.positions, trusted, settings.check_values, settings.strict
+        )
+        if kept:
+            return True, None
+    return False, align(step, view, limits, _policy(call, adapter, eager), facts)
 
 
 def _policy(call: dict, adapter: Adapter, eager: bool) -> Policy:
@@ -193,13 +206,7 @@ def _step_info(model: Any, aligned: Aligned, view: CacheView, given_mask: Any) -
 
 
 def _call(
-    original: Any,
-    model: Any,
-    call: dict,
-    view: CacheView,
-    limits: Limits,
-    adapter: Adapter,
-    right_padded: tuple[int, ...] = (),
+    original: Any, model: Any, call: dict, view: CacheView, adapter: Adapter, right_padded: tuple[int, ...] = ()
 ) -> Any:
     """Call transformers' forward once, with the call as aligned.  A bad id or position that no check read
     (single-token decode steps read nothing; on the CPU the lookup is the check) surfaces as the embedding's
@@ -209,6 +216,7 @@ def _call(
         output = original(model, **call)
     except IndexError as exc:
         positions = call.get("position_ids")
+        limits = model_limits(model, adapter, afresh=True)  # (the model as it is: see model_limits)
         explain_index_error(exc, limits, call.get("input_ids"), call.get("token_type_ids"), positions)
         if adapter.explain_overflow is not None:
             adapter.explain_overflow(exc, model.config, call.get("attention_mask"), positions, view.length)
@@ -220,29 +228,30 @@ def _call(
 
 # -- the model's limits ------------------------------------------------------------------------------------------
 
-# id(config) -> (weak reference to it, its attributes when the limits were read, the limits)
-_LIMITS: dict[int, tuple[Any, dict, Limits]] = {}
-_stored = object.__getattribute__  # a config's own __dict__, without its __getattribute__ (5.x: two Python layers)
+# id(config) -> (weak reference to it, the limits read from it)
+_LIMITS: dict[int, tuple[Any, Limits]] = {}
 
 
-def model_limits(model: Any, adapter: Adapter) -> Limits:
+def model_limits(model: Any, adapter: Adapter, afresh: bool = False) -> Limits:
     """The model's :class:`~neofix._core.Limits`, as the adapter reads them from ``model.config``.
 
-    The one rule for when they are read afresh: whenever any attribute of the config differs from when they were last
-    read (one comparison of its attributes, in C; reading them through the config costs microseconds each on 5.x).
-    Configs are edited by assigning attributes (``resize_token_embeddings`` sets ``vocab_size``), so a model edited
-    between two calls is judged as it is.  The model's layers are counted on every call (the adapter's ``layers``).
-    Eager calls only: inside ``torch.compile`` the config is read directly (dynamo makes its values constants, and a
-    registry written during a compiled call would be a guard that fails on the next: one more compilation).
+    The one rule for when they are read afresh: before anything is refused on them.  They are remembered per config
+    from its first forward (reading them costs microseconds a step on 5.x, whose config attributes pass two Python
+    layers), and a step refused on remembered limits is judged again on the config as it is (``afresh``) where they
+    differ; an ``IndexError`` is explained on the config as it is.  So a model edited between two calls
+    (``resize_token_embeddings`` assigns ``config.vocab_size``) is never refused on what it was.  (A limit edited
+    smaller is not enforced until then: transformers' own tables, which an edited config does not resize, decide.)
+    The model's layers are counted on every call (the adapter's ``layers``).  Eager calls only: inside
+    ``torch.compile`` the config is read directly (dynamo makes its values constants, and a registry written during a
+    compiled call would be a guard that fails on the next: one more compilation).
     """
     config = model.config
-    attributes = _stored(config, "__dict__")
     remembered = _LIMITS.get(id(config))
-    if remembered is not None and remembered[0]() is config and remembered[1] == attributes:
-        return remembered[2]
+    if not afresh and remembered is not None and remembered[0]() is config:
+        return remembered[1]
     limits = adapter.limits(config)
     key = id(config)
-    _LIMITS[key] = (weakref.ref(config, lambda _, key=key: _LIMITS.pop(key, None)), dict(attributes), limits)
+    _LIMITS[key] = (weakref.ref(config, lambda _, key=key: _LIMITS.pop(key, None)), limits)
     return limits
 
 

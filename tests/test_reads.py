@@ -58,6 +58,14 @@ def questions(draw):
                   torch.tensor([[1, 1, 1], [0, 0, 1]]), 3, 0))  # the second row's positions count its padding
 @example(Question(torch.ones(1, 2, dtype=torch.long), None, torch.tensor([[2, 2]]), True, True,
                   torch.tensor([[1, 0, 1, 1]]), 2, 2))  # after a cache, a real token at the wrong position
+@example(Question(torch.ones(2, 2, dtype=torch.long), None, torch.tensor([[3, 4], [1, 2]]), True, True,
+                  torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]), 2, 3))  # left padding within the cache: right
+@example(Question(torch.ones(2, 3, dtype=torch.long), None, torch.tensor([[2, 3, 4], [7, 0, 1]]), True, True,
+                  torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]), 3, 2))  # a pad among the new tokens: right
+@example(Question(torch.ones(2, 3, dtype=torch.long), None, torch.tensor([[2, 3, 4], [7, 1, 2]]), True, True,
+                  torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]), 3, 2))  # counting the pad: wrong
+@example(Question(torch.ones(1, 2, dtype=torch.long), None, torch.tensor([[2, 3]]), True, True,
+                  torch.tensor([[0, 0, 0, 0]]), 2, 2))  # a row of pads: nothing judged
 @PROPERTY
 @given(question=questions())
 def test_the_readers_read_alike(question):

@@ -120,6 +120,13 @@ def _wrong(row: list[int] | None, own: list[int], new: int, past: int | None) ->
     its count of real tokens minus one.  (Compared as lists of the real tokens' positions: in C.)"""
     if row is None:
         return past is not None and own != list(range(past, past + new))
+    width = len(row)
+    pads = width - row.count(1)
+    if pads == width:  # no real token
+        return False
+    if not pads or row.index(1) == pads:  # the usual row, pads then real tokens: column c is at c - pads
+        skip = max(pads - (width - new), 0)  # the new tokens that are pads (their positions are not judged)
+        return own[skip:] != list(range(width - new + skip - pads, width - pads))
     real = row[-new:]
     mask_positions = list(map(sub, accumulate(row), repeat(1)))[-new:]
     return list(compress(own, real)) != list(compress(mask_positions, real))

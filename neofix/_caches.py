@@ -29,13 +29,13 @@ _new = tuple.__new__
 
 def read(cache: Any, layers: int, key_layout: tuple[int, int, int, int] = BHSD) -> CacheView:
     """What ``cache`` holds for a model of ``layers`` layers; shapes only."""
+    cache_layers = getattr(cache, "layers", None)
+    if type(cache_layers) is list:  # transformers >= 4.56: one object per layer (the hot path of every decode step)
+        return _read_layers(cache_layers, layers, key_layout)
     if cache is None:
         return NO_CACHE
     if type(cache) is tuple or type(cache) is list:
         return _read_legacy(cache, layers, key_layout)
-    cache_layers = getattr(cache, "layers", None)
-    if type(cache_layers) is list:  # transformers >= 4.56: one object per layer (the hot path of every decode step)
-        return _read_layers(cache_layers, layers, key_layout)
     return _read_key_cache(cache, layers, key_layout)
 
 

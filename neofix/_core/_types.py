@@ -56,10 +56,9 @@ class Positions(enum.Enum):
     ROTARY = "rotary"
     NONE = "none"
 
-    @property
-    def compared(self) -> bool:
-        """Whether given positions are compared with the mask's (their values are looked up in a table)."""
-        return self is Positions.ABSOLUTE or self is Positions.MASK
+    def __init__(self, value: str) -> None:
+        #: Whether given positions are compared with the mask's (their values are looked up in a table).
+        self.compared = value in ("absolute", "mask")
 
 
 class CacheView(NamedTuple):

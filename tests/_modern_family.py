@@ -508,7 +508,7 @@ def test_a_cache_position_that_does_not_advance_is_repaired(lm, mode):
     if reaches_the_model(lm):
         assert [m for m in messages if "cache_position" in m] == [
             "neofix: cache_position is [6] at a step after 7 cached tokens, but this step's tokens are at 7 to 7 of "
-            "the cache; used those. To fix your loop: pass cache_position = torch.arange(cached, cached + new_tokens), "
+            "the cache; used those. Where your code passes it: pass cache_position = torch.arange(cached, cached + new_tokens), "
             "or leave it out (the model counts it). Reported once."
         ]
 

@@ -259,7 +259,9 @@ def settle_cache_position(cache_position: Any, past: int | None, new: int, polic
     fix = "pass cache_position = torch.arange(cached, cached + new_tokens), or leave it out (the model counts it)"
     if policy.strict:
         raise PositionError(f"{described}: {fix}")
-    repairs.append(Repair(CACHE_POSITION_VALUES, f"neofix: {described}; used those. To fix your loop: {fix}. Reported once."))
+    # (not "your loop": generate's own is wrong after candidate decoding on transformers 4.39 - 4.40)
+    said = f"neofix: {described}; used those. Where your code passes it: {fix}. Reported once."
+    repairs.append(Repair(CACHE_POSITION_VALUES, said))
     return torch.arange(past, past + new, device=cache_position.device)
 
 

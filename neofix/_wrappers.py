@@ -239,8 +239,9 @@ def model_limits(model: Any, adapter: Adapter, afresh: bool = False) -> Limits:
     from its first forward (reading them costs microseconds a step on 5.x, whose config attributes pass two Python
     layers), and a step refused on remembered limits is judged again on the config as it is (``afresh``) where they
     differ; an ``IndexError`` is explained on the config as it is.  So a model edited between two calls
-    (``resize_token_embeddings`` assigns ``config.vocab_size``) is never refused on what it was.  (A limit edited
-    smaller is not enforced until then: transformers' own tables, which an edited config does not resize, decide.)
+    (``resize_token_embeddings`` assigns ``config.vocab_size``) is never refused on what it was; nothing but a
+    refusal depends on them.  (A limit edited smaller is enforced once a refusal reads the config again; until then
+    transformers' own tables, which editing a config does not resize, decide what runs.)
     The model's layers are counted on every call (the adapter's ``layers``).  Eager calls only: inside
     ``torch.compile`` the config is read directly (dynamo makes its values constants, and a registry written during a
     compiled call would be a guard that fails on the next: one more compilation).

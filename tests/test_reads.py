@@ -350,7 +350,7 @@ def test_a_left_padded_prompt_reads_its_values_once(monkeypatch):
     torch.testing.assert_close(logits[real_tokens], expected[real_tokens], rtol=1e-4, atol=1e-4)
 
 
-# -- the model's limits: read afresh whenever its config changed ----------------------------------------------------
+# -- the model's limits: remembered per config, read afresh before a refusal ---------------------------------------
 
 
 def test_limits_are_read_afresh_after_the_vocabulary_is_resized():

@@ -21,7 +21,6 @@ from ._core import NO_CACHE, CacheView
 BHSD = (0, 1, 2, 3)
 
 _Tensor = torch.Tensor
-_INT = {int}
 # CacheView's own constructor is a Python function (a NamedTuple's ``__new__``): the readers of every step build the
 # tuple directly, which is what that function does, at a fraction of its cost right after a forward.
 _new = tuple.__new__
@@ -72,16 +71,17 @@ def _read_layers(cache_layers: list, layers: int, layout: tuple[int, int, int, i
         lengths = [layer.get_seq_length() for layer in cache_layers[:layers]]
     except (AttributeError, IndexError, TypeError, ValueError):
         lengths = [_layer_length(layer) for layer in cache_layers[:layers]]
-    if not set(map(type, lengths)) <= _INT:
-        lengths = [length if type(length) is int else None for length in lengths]
+    past = lengths[0] if lengths else None
+    if type(past) is not int or lengths.count(past) != len(lengths):  # (the usual cache, every layer as long, in C)
+        lengths = [length if type(length) is int else None for length in lengths]  # (a length of another type: None)
+        past = lengths[0] if lengths else None
     if len(lengths) < layers:
         lengths += [0] * (layers - len(lengths))
-    past = lengths[0]
     key = getattr(first, "keys", None)
     if past is None:
         return CacheView(None, None, None, None, None, None, "unknown")
-    if isinstance(key, _Tensor) and key.dim() == 4:
-        shape = key.shape
+    shape = key.shape if isinstance(key, _Tensor) else ()
+    if len(shape) == 4:
         b, h, _, d = layout
         if not shape[b]:  # keys of no rows: a layer counts 0 tokens (it asks numel()), whatever its columns
             return CacheView(None, 0, None, None, shape[h], shape[d], "unknown")

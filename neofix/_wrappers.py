@@ -87,11 +87,13 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
             # (rebinding needs a local name per parameter of the original, up to 16 on transformers 4.57; the
             # names of _FX_ROOM keep room for them, tests/test_tracing_fx_families.py pins it)
             return trace_original_as_root(original)
-        call = {**dict(zip(names, args)), **kwargs} if args else kwargs  # (kwargs: this call's own dict)
+        call = kwargs  # every argument by name, in this call's own dict (a keyword given twice: the keyword's)
+        for name, value in zip(names, args):
+            call.setdefault(name, value)
         input_ids = call.get("input_ids")
         traced = tracer(input_ids if input_ids is not None else call.get("inputs_embeds"))
         if traced == STEPPING_ASIDE or _passed_on(input_ids, adapter):
-            return original(self, *args, **kwargs)
+            return original(self, **call)
         eager = traced != COMPILING
         if eager and _reports.pending:
             _reports.poll()  # position reports of earlier steps, read once their copies have landed (never waiting)
@@ -145,7 +147,17 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
 
 def _step_inputs(call: dict) -> StepInputs:
     """The call's tensors, by :class:`~neofix._core.StepInputs`' field names (``None`` where not given)."""
-    return _new_tuple(StepInputs, map(call.get, StepInputs._fields))  # (the fields, in C: this runs every step)
+    return _new_tuple(  # (StepInputs' own constructor is a Python function: this runs every step)
+        StepInputs,
+        (
+            call.get("input_ids"),
+            call.get("inputs_embeds"),
+            call.get("attention_mask"),
+            call.get("position_ids"),
+            call.get("token_type_ids"),
+            call.get("cache_position"),
+        ),
+    )
 
 
 _new_tuple = tuple.__new__

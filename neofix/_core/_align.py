@@ -142,24 +142,34 @@ def keeps_every_rule(
     (``check_values``) and ``strict``: see :class:`Policy`.
     """
     input_ids, embeds, mask, positions, token_types, cache_position = step
-    if input_ids is None or embeds is not None or token_types is not None or ids_problem(input_ids) is not None:
+    if input_ids is None or embeds is not None or token_types is not None:
         return False, None
-    batch, new = input_ids.shape
+    shape = input_ids.shape  # (each tensor's shape read once: a tensor's attributes cost more than a rule's test)
+    if ids_problem(shape, input_ids.dtype) is not None:
+        return False, None
+    batch, new = shape
     past = cache.length
     if not new or past is None or not batch or cache_problem(cache, batch, new, limits) is not None:
         return False, None
-    if mask is not None and (
-        isinstance(mask, dict) or mask.dim() != 2 or mask_rows_problem(mask, batch) is not None or not mask_kept(mask.shape[1], past + new)
+    if mask is not None:
+        if isinstance(mask, dict):
+            return False, None
+        shape = mask.shape
+        if len(shape) != 2 or mask_rows_problem(shape[0], batch) is not None or not mask_kept(shape[1], past + new):
+            return False, None
+    if cache_position is not None and (
+        cache_position.shape[-1] != new or not cache_position_kept(cache_position, past, new)
     ):
         return False, None
-    if cache_position is not None and cache_position.shape[-1] != new:
-        return False, None
-    given = positions is not None and kind is not Positions.NONE
-    if given and (positions_problem(positions, batch) is not None or positions.shape[-1] != new):
-        return False, None
-    plan = value_plan(given, mask is not None, False, new, past, kind, trusted, read_always, strict)
-    compare, derive, read, rotary = plan
-    if rotary or not cache_position_kept(cache_position, past, new):
+    given = positions is not None and kind.taken
+    if given:
+        shape = positions.shape
+        if positions_problem(shape, positions.dtype, batch) is not None or shape[-1] != new:
+            return False, None
+    compare, derive, read, rotary = value_plan(
+        given, mask is not None, False, new, past, kind, trusted, read_always, strict
+    )
+    if rotary:
         return False, None
     if not read:
         return not (compare or derive), None
@@ -175,10 +185,11 @@ def read_inputs(step: StepInputs, limits: Limits) -> tuple[int, int] | None:
     """``(batch, new tokens)`` of the step, from ``input_ids`` or ``inputs_embeds``; ``None`` when neither is given."""
     input_ids, embeds = step.input_ids, step.inputs_embeds
     if input_ids is not None:
-        problem = ids_problem(input_ids)
+        shape = input_ids.shape
+        problem = ids_problem(shape, input_ids.dtype)
         if problem is not None:
             raise problem
-        batch, new = input_ids.shape
+        batch, new = shape
         name = "input_ids"
     elif embeds is not None:
         if embeds.dim() != 3 or embeds.shape[-1] != limits.hidden_size:
@@ -199,16 +210,16 @@ def read_inputs(step: StepInputs, limits: Limits) -> tuple[int, int] | None:
     return batch, new
 
 
-def ids_problem(input_ids: Any) -> NeofixError | None:
-    """The error for ``input_ids`` that are not a 2D tensor of integers, else ``None``."""
-    if input_ids.dim() != 2:
+def ids_problem(shape: Any, dtype: Any) -> NeofixError | None:
+    """The error for ``input_ids`` (of ``shape`` and ``dtype``) that are not a 2D tensor of integers, else ``None``."""
+    if len(shape) != 2:
         return InputShapeError(
-            f"input_ids has shape {tuple(input_ids.shape)}, but the model expects (batch, new_tokens): "
+            f"input_ids has shape {tuple(shape)}, but the model expects (batch, new_tokens): "
             f"add the batch dimension (input_ids[None]) or flatten extra ones"
         )
-    if not is_integer(input_ids.dtype):
+    if not is_integer(dtype):
         return TokenIdError(
-            f"input_ids has dtype {input_ids.dtype}, but token ids are integers (indices into the vocabulary): "
+            f"input_ids has dtype {dtype}, but token ids are integers (indices into the vocabulary): "
             f"pass the tokenizer's input_ids (torch.long)"
         )
     return None
@@ -242,12 +253,11 @@ def cache_problem(cache: CacheView, batch: int, new: int, limits: Limits) -> Neo
             f"heads of width {model_head_dim}: the cache was built by another model. Pass the cache this model "
             f"returned, or none (the prompt is then encoded again)"
         )
-    if lengths is not None and past is not None:
-        # one pass in C for the usual case (every layer holds past, or cannot tell); the loop names the layer
-        if lengths.count(past) + lengths.count(None) != len(lengths):
-            for layer, held in enumerate(lengths):
-                if held is not None and held != past:
-                    return cache_length_error(layer, held, past)
+    if lengths is not None and past is not None and lengths.count(past) != len(lengths):
+        # (one pass in C for the usual case, every layer holding past; the loop skips layers that cannot tell)
+        for layer, held in enumerate(lengths):
+            if held is not None and held != past:
+                return cache_length_error(layer, held, past)
     if past is None or max_positions is None or past + new <= max_positions:
         return None
     total, fit = past + new, max(max_positions - past, 0)
@@ -302,10 +312,10 @@ def _align_padding_mask(
 ) -> Any:
     """A 2D padding mask of one row per input row, extended with ones where it covers the cache but not the new
     tokens; one that is longer, or whose columns cannot be told apart, is refused."""
-    problem = mask_rows_problem(mask, batch)
+    rows_given, columns = mask.shape
+    problem = mask_rows_problem(rows_given, batch)
     if problem is not None:
         raise problem
-    columns = mask.shape[1]
     if mask_kept(columns, total):
         return mask
     expected = (
@@ -346,12 +356,12 @@ def _align_padding_mask(
     return torch.cat([mask, mask.new_ones((batch, total - columns))], dim=-1)
 
 
-def mask_rows_problem(mask: Any, batch: int) -> NeofixError | None:
-    """The error for a 2D mask of another number of rows than the step's, else ``None``."""
-    if mask.shape[0] == batch:
+def mask_rows_problem(given: int, batch: int) -> NeofixError | None:
+    """The error for a 2D mask of ``given`` rows where the step feeds ``batch``, else ``None``."""
+    if given == batch:
         return None
     return BatchMismatchError(
-        f"attention_mask has {rows(mask.shape[0])}, but this step feeds {batch}: pass one mask row per input row"
+        f"attention_mask has {rows(given)}, but this step feeds {batch}: pass one mask row per input row"
     )
 
 
@@ -450,12 +460,13 @@ def align_positions(
     with no mask at all, where every token is real and positions continue after the cache.  With a 3D or 4D mask
     (``model_mask``) no position is derived: stale ones are refused.
     """
-    if positions is None or kind is Positions.NONE:  # none given, or a family that takes none (the model refuses)
+    if positions is None or not kind.taken:  # none given, or a family that takes none (the model refuses)
         return positions, False
-    problem = positions_problem(positions, batch)
+    shape = positions.shape
+    problem = positions_problem(shape, positions.dtype, batch)
     if problem is not None:
         raise problem
-    length = positions.shape[-1]
+    length = shape[-1]
     if length == new:
         return positions, True
     described = f"position_ids has {length} columns, but this step feeds {tokens(new)} (the cache holds {past})"
@@ -494,17 +505,18 @@ def align_positions(
     return torch.arange(past, total, device=first.device).unsqueeze(0), False  # type: ignore[arg-type]
 
 
-def positions_problem(positions: Any, batch: int) -> NeofixError | None:
-    """The error for positions that are not a 1D or 2D tensor of integers with one row, or one per input row."""
-    dims = positions.dim()
+def positions_problem(shape: Any, dtype: Any, batch: int) -> NeofixError | None:
+    """The error for positions (of ``shape`` and ``dtype``) that are not a 1D or 2D tensor of integers with one row,
+    or one per input row."""
+    dims = len(shape)
     if dims not in (1, 2):
-        return PositionError(f"position_ids has shape {tuple(positions.shape)}; expected (batch, new_tokens)")
-    if not is_integer(positions.dtype):
+        return PositionError(f"position_ids has shape {tuple(shape)}; expected (batch, new_tokens)")
+    if not is_integer(dtype):
         return PositionError(
-            f"position_ids has dtype {positions.dtype}, but positions are integers (indices into the position "
+            f"position_ids has dtype {dtype}, but positions are integers (indices into the position "
             f"table): pass torch.long positions, e.g. (mask.long().cumsum(-1) - 1).clamp(min=0)"
         )
-    given_rows = positions.shape[0] if dims == 2 else 1
+    given_rows = shape[0] if dims == 2 else 1
     if given_rows not in (1, batch):
         return BatchMismatchError(
             f"position_ids has {rows(given_rows)}, but this step feeds {batch}: pass one row per input row (or one row "

@@ -62,13 +62,21 @@ class Facts(NamedTuple):
 
 Reader = Callable[[Question], Facts]
 
+# Question's and Facts' own constructors are Python functions (a NamedTuple's ``__new__``): the readers of every step
+# that reads build the tuple directly, which is what that function does, at a fraction of its cost.
+_new = tuple.__new__
+
 
 def reader_for(question: Question) -> Reader:
     """The reader of a step: on the host where every tensor it reads is in CPU memory, else on the device."""
-    for tensor in (question.input_ids, question.mask, question.positions):
-        if tensor is not None and not tensor.is_cpu:
-            return read_on_device
-    return read_on_host
+    input_ids, _, positions, _, _, mask, _, _ = question
+    if (
+        (input_ids is None or input_ids.is_cpu)
+        and (mask is None or mask.is_cpu)
+        and (positions is None or positions.is_cpu)
+    ):
+        return read_on_host
+    return read_on_device
 
 
 # -- on the host ---------------------------------------------------------------------------------------------------
@@ -91,7 +99,7 @@ def read_on_host(question: Question) -> Facts:
             counts_pads = tuple(row for row, own in enumerate(given) if rows is not None and _counts_pads(rows[row], own))
         else:
             wrong = any(_wrong(rows[row] if rows is not None else None, own, new, past) for row, own in enumerate(given))
-    return Facts(None, None, None, binary, left, after, tuple(right), wrong, counts_pads)
+    return _new(Facts, (None, None, None, binary, left, after, tuple(right), wrong, counts_pads))
 
 
 def _scan(rows: list[list[Any]]) -> tuple[bool, bool, bool, list[int]]:

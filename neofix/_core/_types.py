@@ -57,8 +57,16 @@ class Positions(enum.Enum):
     NONE = "none"
 
     def __init__(self, value: str) -> None:
+        # What each kind means, as member attributes: a step reads them where ``kind is Positions.X`` would look the
+        # member up on the class (an enum's class attribute costs several times an instance attribute).
+        #: Whether the model takes positions at all.
+        self.taken = value != "none"
         #: Whether given positions are compared with the mask's (their values are looked up in a table).
         self.compared = value in ("absolute", "mask")
+        #: Whether missing positions are derived from the mask (neofix's; ``MASK`` families derive their own).
+        self.derived = value == "absolute"
+        #: Whether only differences of positions matter (given ones after a cache are judged by ``rotary_truth``).
+        self.rotary = value == "rotary"
 
 
 class CacheView(NamedTuple):

@@ -33,6 +33,8 @@ from ._types import (
     Report,
 )
 
+_new = tuple.__new__
+
 FIX_POSITIONS = "pass only the new tokens' positions, or none at all and neofix derives them from the mask"
 _FIX_VALUES = (
     "positions must advance by one per real token: derive them from the attention mask "
@@ -111,9 +113,9 @@ def value_plan(
     ``check_values`` asks, or strict mode must judge given positions at once), and whether given rotary positions
     after a cache are judged by :func:`rotary_truth` (not generate's own)."""
     compare = given and kind.compared and not model_mask and (not trusted or past == 0)
-    derive = not given and kind is Positions.ABSOLUTE and mask_2d
+    derive = not given and kind.derived and mask_2d
     decode = new == 1 and past != 0
-    rotary = given and kind is Positions.ROTARY and bool(past) and not model_mask and not trusted
+    rotary = given and kind.rotary and bool(past) and not model_mask and not trusted
     return compare, derive, not decode or check_values or (compare and strict), rotary
 
 
@@ -130,15 +132,10 @@ def read_values(
 ) -> Facts:
     """Read a step's values once, by the reader :func:`~._reads.reader_for` picks (given positions' range only where
     the family has a position table)."""
-    question = Question(
-        input_ids,
-        token_types,
-        positions if given else None,
-        compare,
-        given and limits.max_positions is not None,
-        mask,
-        new,
-        past,
+    question = _new(  # (Question's own constructor is a Python function: built directly, as it does)
+        Question,
+        (input_ids, token_types, positions if given else None, compare, given and limits.max_positions is not None, mask,
+         new, past),
     )
     return _reads.reader_for(question)(question)
 

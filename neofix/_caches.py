@@ -11,6 +11,7 @@ Keys are laid out ``(batch, heads, tokens, head_dim)`` unless a family's adapter
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -67,10 +68,14 @@ def _read_layers(cache_layers: list, layers: int, layout: tuple[int, int, int, i
             batch, heads, head_dim = key.shape[layout[0]], key.shape[layout[1]], key.shape[layout[3]]
         length = _static_length(first)
         return CacheView(length, batch, None, capacity, heads, head_dim, "static")
-    try:  # every layer at once (one call each), read again one by one if one of them does not tell
-        lengths = [layer.get_seq_length() for layer in cache_layers[:layers]]
-    except (AttributeError, IndexError, TypeError, ValueError):
-        lengths = [_layer_length(layer) for layer in cache_layers[:layers]]
+    held = _held_alike(cache_layers, layers)
+    if held is not None:
+        lengths = [held] * layers
+    else:
+        try:  # every layer at once (one call each), read again one by one if one of them does not tell
+            lengths = [layer.get_seq_length() for layer in cache_layers[:layers]]
+        except (AttributeError, IndexError, TypeError, ValueError):
+            lengths = [_layer_length(layer) for layer in cache_layers[:layers]]
     past = lengths[0] if lengths else None
     if type(past) is not int or lengths.count(past) != len(lengths):  # (the usual cache, every layer as long, in C)
         lengths = [length if type(length) is int else None for length in lengths]  # (a length of another type: None)
@@ -87,6 +92,38 @@ def _read_layers(cache_layers: list, layers: int, layout: tuple[int, int, int, i
             return CacheView(None, 0, None, None, shape[h], shape[d], "unknown")
         return _new(CacheView, (past, shape[b], tuple(lengths), None, shape[h], shape[d], "object"))
     return CacheView(past, None, tuple(lengths), None, None, None, "object")
+
+
+def _held_alike(cache_layers: list, layers: int) -> int | None:
+    """The tokens each of the first ``layers`` layers holds where every one is the usual growing layer
+    (``DynamicLayer``) and their keys have one shape, else ``None`` (the layers are asked, one call each).
+
+    Such a layer's ``get_seq_length()`` is its keys' token count (transformers' own definition, 4.56 to 5.x: 0 for
+    keys of no elements, and before the first update, or after ``reset()`` on 5.x, when its keys are not a tensor), so
+    keys of one shape hold one count: read here from the shapes, one ``.shape`` a layer where the call into
+    transformers costs about twice that on every cached step.  ``tests/test_reads.py`` checks that the two readings
+    agree on the installed release."""
+    usual = _usual_layer()
+    first = cache_layers[0]
+    if type(first) is not usual or len(cache_layers) < layers:
+        return None
+    keys = first.keys
+    if type(keys) is not _Tensor or not keys.numel():
+        return None
+    shape = keys.shape
+    for layer in cache_layers[1:layers]:
+        if type(layer) is not usual or type(keys := layer.keys) is not _Tensor or keys.shape != shape:
+            return None
+    return shape[-2]  # type: ignore[no-any-return]
+
+
+_USUAL: list[Any] = []  # [transformers' DynamicLayer, or None], looked up at the first read of a cache of layers
+
+
+def _usual_layer() -> Any:
+    if not _USUAL:  # (a cache of layer objects exists: transformers.cache_utils is loaded)
+        _USUAL.append(getattr(sys.modules.get("transformers.cache_utils"), "DynamicLayer", None))
+    return _USUAL[0]
 
 
 def _read_key_cache(cache: Any, layers: int, layout: tuple[int, int, int, int]) -> CacheView:

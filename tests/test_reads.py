@@ -24,7 +24,7 @@ from neofix._core._reads import Question, read_on_device, read_on_host
 from neofix.testing import reference_positions, tiny_gpt_neo
 
 from ._sync import NEOFIX_DIR, asked_by, device_reads
-from ._versions import as_cache_object, cache_keyword, legacy, output_cache
+from ._versions import as_cache_object, cache_keyword, legacy, output_cache, requires
 from .loops import left_padded_batch
 
 # the profile (tests/_hypothesis.py) decides examples and seed
@@ -231,6 +231,55 @@ def test_a_cache_that_does_not_fit_is_refused_by_name(model, change, error, word
             cache = _changed(cache, change)
         with pytest.raises(error, match=words):
             model(input_ids=ids[:, past : past + new], attention_mask=mask[:, : past + new], **{cache_keyword(): cache})
+
+
+def _each_layer(cache, change):
+    for layer in cache.layers:
+        layer.keys = change(layer.keys)
+    return cache
+
+
+USUAL_CACHE_STATES = {
+    "prefilled": lambda cache: cache,
+    "a chunk longer": lambda cache: _each_layer(cache, lambda keys: torch.cat([keys, keys[..., :3, :]], -2)),
+    "cut short alike": lambda cache: _each_layer(cache, lambda keys: keys[..., :2, :]),
+    "keys of no elements": lambda cache: _each_layer(cache, lambda keys: keys[..., :0]),
+    "layer 1's keys of no elements": lambda cache: setattr(cache.layers[1], "keys", cache.layers[1].keys[..., :0])
+    or cache,
+    "layer 2 a token short": _uneven_layers,
+    "another model's heads": _other_heads,
+    "rows added": _more_rows,
+    "reset": lambda cache: cache.reset() or cache,  # (4.57 - 5.10 zero the keys, 5.24 drops them)
+    "layer 1 of a subclass": lambda cache: setattr(
+        cache.layers[1], "__class__", type("Subclass", (type(cache.layers[1]),), {})
+    ) or cache,
+}
+
+
+@requires("cache layer objects")
+@pytest.mark.parametrize("state", USUAL_CACHE_STATES)
+def test_the_usual_cache_is_read_as_each_layer_tells_its_length(model, state):
+    """The usual growing cache's layers are read from their keys' shapes where every one has keys of one shape
+    (``_caches._held_alike``), any other cache by asking each layer: the two readings agree with every layer's own
+    ``get_seq_length()`` on the installed release, in whatever state the cache is."""
+    from neofix import _caches
+
+    ids, mask = left_padded_batch([5, 3])
+    with torch.no_grad():
+        cache = output_cache(model(input_ids=ids, attention_mask=mask, use_cache=True))
+    cache = USUAL_CACHE_STATES[state](cache)
+    layers = len(model.transformer.h)
+    asked = tuple(layer.get_seq_length() for layer in cache.layers)
+    view = _caches.read(cache, layers)
+    assert (view.length, view.layer_lengths) == (asked[0], asked)
+    keys = cache.layers[0].keys
+    if view.length:
+        assert (view.batch, view.heads, view.head_dim) == (keys.shape[0], keys.shape[1], keys.shape[3])
+    alike = _caches._held_alike(cache.layers, layers)
+    if state in ("prefilled", "a chunk longer", "cut short alike", "another model's heads", "rows added"):
+        assert alike == asked[0]  # read from the shapes: the usual cache's reading is used
+    elif not (state == "reset" and isinstance(keys, torch.Tensor)):
+        assert alike is None  # (4.57 - 5.10's reset keeps zeroed keys of the old length, and their count)
 
 
 @pytest.mark.parametrize("step", ["decode step", "stale mask", "checked values", "caller's positions", "chunk"])

@@ -87,9 +87,11 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
             # (rebinding needs a local name per parameter of the original, up to 16 on transformers 4.57; the
             # names of _FX_ROOM keep room for them, tests/test_tracing_fx_families.py pins it)
             return trace_original_as_root(original)
-        call = kwargs  # every argument by name, in this call's own dict (a keyword given twice: the keyword's)
+        call = kwargs  # every argument by name, in this call's own dict
         for name, value in zip(names, args):
-            call.setdefault(name, value)
+            if name in call:  # given twice: vanilla's own error, on every path (the call passed on included)
+                raise TypeError(f"{original.__qualname__}() got multiple values for argument '{name}'")
+            call[name] = value
         input_ids = call.get("input_ids")
         traced = tracer(input_ids if input_ids is not None else call.get("inputs_embeds"))
         if traced == STEPPING_ASIDE or _passed_on(input_ids, adapter):

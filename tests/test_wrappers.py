@@ -7,6 +7,8 @@ generated after it (the last token generated is never fed back); a 65-token prom
 
 from __future__ import annotations
 
+import contextlib
+
 import gc
 import warnings
 
@@ -456,3 +458,13 @@ def test_a_float64_models_causal_mask_is_built_in_float32_and_widened_where_aske
     assert torch.equal(wrapped(attention_mask=mask, input_shape=(2, 4), inputs_embeds=embeds, past_key_values_length=0),
                        built)
     assert torch.equal(wrapped(mask, (2, 4), embeds.float(), 0), as_float32)
+
+
+@pytest.mark.parametrize("patched", [True, False])
+def test_an_argument_given_twice_is_vanillas_type_error(model, patched):
+    """A positional argument also given by keyword raises transformers' own ``TypeError`` with neofix as without it
+    (the wrapper reads every argument by name: it must not let the keyword silently win)."""
+    ids = torch.ones(1, 3, dtype=torch.long)
+    context = contextlib.nullcontext() if patched else neofix.unpatched()
+    with context, pytest.raises(TypeError, match="got multiple values for argument 'input_ids'"):
+        model.transformer(ids, input_ids=ids)

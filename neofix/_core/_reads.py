@@ -84,60 +84,83 @@ def reader_for(question: Question) -> Reader:
 
 def read_on_host(question: Question) -> Facts:
     input_ids, _, positions, compare, _, mask, new, past = question
-    rows = mask.tolist() if mask is not None else None
-    if rows is None or sum(map(list.count, rows, repeat(1))) == mask.numel():
-        binary, left, after, right = True, False, False, []  # every token real (counted in C: the usual mask)
+    if mask is None:
+        rows = leading = None
+        binary, left, after, right = True, False, False, ()
     else:
-        binary, left, after, right = _scan(rows)
+        rows = mask.tolist()
+        binary, left, after, right, leading = _scan(rows)
     wrong, counts_pads = False, ()
-    if compare and binary:
+    if compare and binary and (past != 0 or left):  # (without a cache only a row with left padding can count it)
         given = positions.tolist()
         given = [given] if not given or type(given[0]) is not list else given
         if len(given) == 1:
             given *= len(rows) if rows is not None else len(input_ids if input_ids is not None else given)
         if past == 0:
             counts_pads = tuple(row for row, own in enumerate(given) if rows is not None and _counts_pads(rows[row], own))
+        elif rows is None:  # every token real: the new tokens continue after the cache
+            wrong = past is not None and any(own != _numbers(past, past + new) for own in given)
         else:
-            wrong = any(_wrong(rows[row] if rows is not None else None, own, new, past) for row, own in enumerate(given))
-    return _new(Facts, (None, None, None, binary, left, after, tuple(right), wrong, counts_pads))
+            wrong = any(map(_wrong, rows, leading, given, repeat(new)))  # type: ignore[arg-type]
+    return _new(Facts, (None, None, None, binary, left, after, right, wrong, counts_pads))
 
 
-def _scan(rows: list[list[Any]]) -> tuple[bool, bool, bool, list[int]]:
-    """``(binary, left, after, right_padded)`` of a mask's rows (see :class:`Facts`)."""
+def _scan(rows: list[list[Any]]) -> tuple[bool, bool, bool, tuple[int, ...], list[int | None]]:
+    """``(binary, left, after, right_padded, leading)`` of a mask's rows (see :class:`Facts`); ``leading``: per row,
+    its pads where every one comes before its first real token (0: none), else ``None``.
+
+    Each row's real tokens are counted once (``count(1)``, in C: most of a mask's entries are the int 1 itself, which
+    the count finds by identity); a row that is not pads then real tokens is counted again, for its zeros."""
+    width = len(rows[0]) if rows else 0
+    ones = list(map(list.count, rows, repeat(1)))
+    if ones.count(width) == len(ones):  # every token real: the usual mask
+        return True, False, False, (), [0] * len(ones)
     left = after = False
     right: list[int] = []
-    for index, row in enumerate(rows):
-        ones, zeros = row.count(1), row.count(0)
-        if ones + zeros != len(row):
-            return False, False, False, []
-        if not zeros or not ones:
+    leading: list[int | None] = []
+    for index, (row, real) in enumerate(zip(rows, ones)):
+        pads = width - real
+        if real and row.index(1) == pads and not any(row[:pads]):  # pads (zeros), then real tokens
+            left = left or pads != 0
+            leading.append(pads)
             continue
-        if row.index(1) == zeros:  # pads, then real tokens: the usual left padding
-            left = True
+        leading.append(None)
+        if real + row.count(0) != width:
+            return False, False, False, (), leading
+        if not real:  # a row of pads
             continue
         steps = bytes(row) if isinstance(row[0], int) else bytes(map(int, row))
         left = left or b"\x00\x01" in steps
         after = True  # a real token before the last pad
         if not row[-1]:
             right.append(index)
-    return True, left, after, right
+    return True, left, after, tuple(right), leading
 
 
-def _wrong(row: list[int] | None, own: list[int], new: int, past: int | None) -> bool:
-    """Whether a real new token of a row sits at another position than its mask (or, without one, the cache) says:
-    its count of real tokens minus one.  (Compared as lists of the real tokens' positions: in C.)"""
-    if row is None:
-        return past is not None and own != list(range(past, past + new))
+def _wrong(row: list[int], pads: int | None, own: list[int], new: int) -> bool:
+    """Whether a real new token of a row sits at another position than its mask says: its count of real tokens minus
+    one.  ``pads``: the row's, where they all come before its real tokens (see :func:`_scan`), else ``None``.
+    (Compared as lists of the real tokens' positions: in C.)"""
     width = len(row)
-    pads = width - row.count(1)
-    if pads == width:  # no real token
-        return False
-    if not pads or row.index(1) == pads:  # the usual row, pads then real tokens: column c is at c - pads
+    if pads is not None:  # pads, then real tokens: column c is at c - pads
         skip = max(pads - (width - new), 0)  # the new tokens that are pads (their positions are not judged)
-        return own[skip:] != list(range(width - new + skip - pads, width - pads))
+        return own[skip:] != _numbers(width - new + skip - pads, width - pads)
     real = row[-new:]
     mask_positions = list(map(sub, accumulate(row), repeat(1)))[-new:]
     return list(compress(own, real)) != list(compress(mask_positions, real))
+
+
+# The ints 0, 1, 2, ... made once: a row's expected positions are a slice of it (a list of n new ints costs more to
+# build than to compare).  Grown, never shrunk, when a longer row comes.
+_NUMBERS: list[int] = list(range(1024))
+
+
+def _numbers(start: int, stop: int) -> list[int]:
+    """``list(range(start, stop))`` for ``0 <= start <= stop``."""
+    global _NUMBERS
+    if stop > len(_NUMBERS):
+        _NUMBERS = list(range(max(stop, 2 * len(_NUMBERS))))
+    return _NUMBERS[start:stop]
 
 
 def _counts_pads(row: list[int], own: list[int]) -> bool:

@@ -59,6 +59,11 @@ def _read_legacy(cache: Any, layers: int, layout: tuple[int, int, int, int]) -> 
 def _read_layers(cache_layers: list, layers: int, layout: tuple[int, int, int, int]) -> CacheView:
     if not cache_layers:
         return CacheView(0, None, None, None, None, None, "object")
+    shape = _held_alike(cache_layers, layers)
+    if shape is not None and len(shape) == 4:  # the usual growing cache: every layer holds keys of this shape
+        b, h, _, d = layout
+        held = shape[-2]
+        return _new(CacheView, (held, shape[b], (held,) * layers, None, shape[h], shape[d], "object"))
     first = cache_layers[0]
     capacity = getattr(first, "max_cache_len", None)
     if capacity is not None:  # a static layer: its length is a tensor, its keys preallocated to the capacity
@@ -68,18 +73,12 @@ def _read_layers(cache_layers: list, layers: int, layout: tuple[int, int, int, i
             batch, heads, head_dim = key.shape[layout[0]], key.shape[layout[1]], key.shape[layout[3]]
         length = _static_length(first)
         return CacheView(length, batch, None, capacity, heads, head_dim, "static")
-    held = _held_alike(cache_layers, layers)
-    if held is not None:
-        lengths = [held] * layers
-    else:
-        try:  # every layer at once (one call each), read again one by one if one of them does not tell
-            lengths = [layer.get_seq_length() for layer in cache_layers[:layers]]
-        except (AttributeError, IndexError, TypeError, ValueError):
-            lengths = [_layer_length(layer) for layer in cache_layers[:layers]]
+    try:  # every layer at once (one call each), read again one by one if one of them does not tell
+        lengths = [layer.get_seq_length() for layer in cache_layers[:layers]]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        lengths = [_layer_length(layer) for layer in cache_layers[:layers]]
+    lengths = [length if type(length) is int else None for length in lengths]  # (a length of another type: None)
     past = lengths[0] if lengths else None
-    if type(past) is not int or lengths.count(past) != len(lengths):  # (the usual cache, every layer as long, in C)
-        lengths = [length if type(length) is int else None for length in lengths]  # (a length of another type: None)
-        past = lengths[0] if lengths else None
     if len(lengths) < layers:
         lengths += [0] * (layers - len(lengths))
     key = getattr(first, "keys", None)
@@ -90,17 +89,18 @@ def _read_layers(cache_layers: list, layers: int, layout: tuple[int, int, int, i
         b, h, _, d = layout
         if not shape[b]:  # keys of no rows: a layer counts 0 tokens (it asks numel()), whatever its columns
             return CacheView(None, 0, None, None, shape[h], shape[d], "unknown")
-        return _new(CacheView, (past, shape[b], tuple(lengths), None, shape[h], shape[d], "object"))
+        return CacheView(past, shape[b], tuple(lengths), None, shape[h], shape[d], "object")
     return CacheView(past, None, tuple(lengths), None, None, None, "object")
 
 
-def _held_alike(cache_layers: list, layers: int) -> int | None:
-    """The tokens each of the first ``layers`` layers holds where every one is the usual growing layer
-    (``DynamicLayer``) and their keys have one shape, else ``None`` (the layers are asked, one call each).
+def _held_alike(cache_layers: list, layers: int) -> Any:
+    """The shape of the keys every one of the first ``layers`` layers holds, where each is the usual growing layer
+    (``DynamicLayer``, which has no capacity) and their keys, of some elements, have one shape; else ``None`` (the
+    layers are asked, one call each).
 
-    Such a layer's ``get_seq_length()`` is its keys' token count (transformers' own definition, 4.56 to 5.x: 0 for
-    keys of no elements, and before the first update, or after ``reset()`` on 5.x, when its keys are not a tensor), so
-    keys of one shape hold one count: read here from the shapes, one ``.shape`` a layer where the call into
+    Such a layer's ``get_seq_length()`` is its keys' token count, ``shape[-2]`` (transformers' own definition, 4.56 to
+    5.x: 0 for keys of no elements, and before the first update, or after ``reset()`` on 5.x, when its keys are not a
+    tensor), so keys of one shape hold one count: read here from the shapes, one ``.shape`` a layer where the call into
     transformers costs about twice that on every cached step.  ``tests/test_reads.py`` checks that the two readings
     agree on the installed release."""
     usual = _usual_layer()
@@ -114,7 +114,7 @@ def _held_alike(cache_layers: list, layers: int) -> int | None:
     for layer in cache_layers[1:layers]:
         if type(layer) is not usual or type(keys := layer.keys) is not _Tensor or keys.shape != shape:
             return None
-    return shape[-2]  # type: ignore[no-any-return]
+    return shape
 
 
 _USUAL: list[Any] = []  # [transformers' DynamicLayer, or None], looked up at the first read of a cache of layers

@@ -15,11 +15,15 @@ the machine instructions per call (Ir), the measure issue 36's budget is stated 
 it runs no model, so the 125M shape takes minutes, not hours.  PYTHONPATH picks the tree measured, so two builds are
 compared by running this script twice.
 
-Shapes: ``tiny`` (2 layers, batch 2, 32 tokens) and ``125m`` (12 layers as gpt-neo-125M, batch 1 and 4, 100 cached
-or prompt tokens; widths do not change a count).  Kinds: ``decode`` (generate's step: one token, the mask one column
-longer, the positions generate built), ``decode loop`` (a hand loop's step without positions), ``decode
-loop+positions``, ``prefill`` (no cache) and ``chunk+positions`` (16 tokens after a cache, given the mask's
-positions).  ``--padded`` rows start with five pads.
+Shapes: ``tiny`` (2 layers, batch 2, 32 tokens) and ``125m`` (12 layers as gpt-neo-125M; batch 1 x 128 tokens,
+``bench_forward.py``'s and ``bench_instructions.py``'s 125M shape, the one issue 36's budget is stated on, and batch 4
+x 100, reported; widths do not change a count).  Kinds, as ``bench_instructions.py`` makes them: ``decode`` (generate's
+step after a cache of the shape's tokens: one token, the mask one column longer, the positions generate built),
+``decode loop`` (a hand loop's step without positions), ``decode loop+positions``, ``prefill`` (no cache; a training
+step's and a classification head's forward are this call too), ``prefill+positions`` (given the mask's positions),
+``chunked prefill`` (the second half of the tokens after a cache of the first, the mask over both) and
+``chunk+positions`` (the same given the mask's positions).  Batched rows are counted unpadded and with rows 1 to 3
+starting with five pads.
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ import sys
 import warnings
 from typing import Any
 
-KINDS = ("decode", "decode loop", "decode loop+positions", "prefill", "chunk+positions")
-SHAPES = {"tiny": (2, [(2, 32)]), "125m": (12, [(1, 100), (4, 100)])}
+KINDS = (
+    "decode", "decode loop", "decode loop+positions", "prefill", "prefill+positions", "chunked prefill",
+    "chunk+positions",
+)
+SHAPES = {"tiny": (2, [(2, 32)]), "125m": (12, [(1, 128), (4, 100)])}
 
 
 def build(layers: int, batch: int, length: int, kind: str, padded: bool) -> tuple[Any, Any, Any, dict]:
@@ -54,8 +61,8 @@ def build(layers: int, batch: int, length: int, kind: str, padded: bool) -> tupl
     original = GPTNeoModel.forward.__wrapped__  # transformers' forward (import neofix wrapped it)
     forward = _wrappers.make_model_forward(functools.wraps(original)(stand_in), FAMILIES["gpt_neo"].load_adapter())
     keyword = "cache" if "cache" in original.__code__.co_varnames else "past_key_values"
-    new = {"prefill": length, "chunk+positions": 16}.get(kind, 1)
-    past = 0 if kind == "prefill" else length
+    new = {"prefill": length, "prefill+positions": length}.get(kind, length // 2 if "chunk" in kind else 1)
+    past = 0 if kind.startswith("prefill") else length - new if "chunk" in kind else length
     mask = torch.ones(batch, past + new, dtype=torch.long)
     if padded:
         mask[1:, :5] = 0
@@ -70,7 +77,7 @@ def build(layers: int, batch: int, length: int, kind: str, padded: bool) -> tupl
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -new:]
     if kind == "decode":
         _wrappers._trust(positions)  # what prepare_inputs_for_generation does with the positions it builds
-    if kind in ("decode", "decode loop+positions", "chunk+positions"):
+    if kind.endswith("positions") or kind == "decode":
         kwargs["position_ids"] = positions
     return forward, model, ids, kwargs
 

@@ -88,6 +88,24 @@ def test_a_wrong_position_is_read_as_wrong_by_both_readers(question):
     assert read_on_host(question).wrong and read_on_device(question).wrong
 
 
+@pytest.mark.parametrize(
+    "given, wrong",
+    [
+        ([[2, 3, 3, 4]], False),  # the mask's: each real token's count of real tokens before it
+        ([[2, 3, 9, 4]], False),  # the new pad's position is not judged
+        ([[3, 4, 5, 6]], True),  # the columns: they count the pads
+        ([[2, 3, 3, 5]], True),  # the last one off
+    ],
+)
+def test_positions_after_a_cache_with_a_gap_are_judged_as_the_mask_counts(given, wrong):
+    """A row that is not pads then real tokens (a hole among the cached and among the new tokens) is judged by its
+    count of real tokens, on the host as on the device: the mask's positions pass, others are wrong."""
+    mask = torch.tensor([[1, 0, 1, 1, 1, 0, 1]])  # 3 cached (one a pad), 4 new (one a pad)
+    question = Question(torch.ones(1, 4, dtype=torch.long), None, torch.tensor(given), True, True, mask, 4, 3)
+    assert read_on_host(question).wrong is wrong
+    assert read_on_device(question).wrong is wrong
+
+
 def test_the_device_reader_reads_no_position_range_unless_asked():
     """A family without a position table (``range_of_positions`` False) gets no range read: the rules would compare
     it with a table size of ``None``."""

@@ -8,7 +8,6 @@ generated after it (the last token generated is never fed back); a 65-token prom
 from __future__ import annotations
 
 import contextlib
-
 import gc
 import warnings
 

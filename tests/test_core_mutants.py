@@ -12,6 +12,8 @@ import torch
 from neofix._core import CacheView, Limits, Policy, StepInputs, align, explain_index_error
 from neofix._core._reads import Question, read_on_device, read_on_host
 
+from ._sync import HostReads
+
 LIMITS = Limits(max_positions=64, vocab_size=96, hidden_size=32, heads=4, head_dim=8)
 
 
@@ -45,8 +47,9 @@ def test_compiling_ends_with_the_eager_positions(past, new, mask, positions, exp
     positions = None if positions is None else torch.tensor(positions)
     step = _step(new, mask, positions)
     eager = align(step, _cache(past), LIMITS, Policy())
-    compiled = align(step, _cache(past), LIMITS, Policy(compiling=True))
-    assert compiled.repairs == () and not compiled.values_checked
+    with HostReads() as reads:
+        compiled = align(step, _cache(past), LIMITS, Policy(compiling=True))
+    assert compiled.repairs == () and reads.by_neofix == []
     assert compiled.position_ids.tolist() == expected
     if eager.position_ids is not None:
         assert torch.equal(compiled.position_ids, eager.position_ids)
@@ -123,9 +126,10 @@ def test_a_rotary_family_without_a_position_table_checks_values_on_the_device():
 
     limits = LIMITS._replace(max_positions=None)
     step = _step(2, torch.ones(1, 2, dtype=torch.long), torch.tensor([[0, 1]]))
-    with device_reads(True):
+    with device_reads(True), HostReads() as reads:
         aligned = align(step, _cache(0), limits, Policy(check_values=True, positions=Positions.ROTARY))
-    assert aligned.position_ids.tolist() == [[0, 1]] and aligned.values_checked
+    assert aligned.position_ids.tolist() == [[0, 1]]
+    assert [name for name, _ in reads.by_neofix] == ["tolist"]  # the device reader's one read
 
 
 # -- positions repaired after a cache without a mask -----------------------------------------------------------------

@@ -118,7 +118,6 @@ def align(
         batch,
         new,
         tuple(repairs),
-        settled.values_read,
         settled.report,
         settled.right_padded,
     )

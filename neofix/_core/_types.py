@@ -166,7 +166,6 @@ class Aligned(NamedTuple):
     batch: int
     new_tokens: int
     repairs: tuple[Repair, ...]
-    values_checked: bool
     report: Report | None = None
     right_padded: tuple[int, ...] = ()
 

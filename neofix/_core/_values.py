@@ -61,7 +61,6 @@ class ValueStep(NamedTuple):
 
 class Settled(NamedTuple):
     positions: Any
-    values_read: bool
     report: Report | None
     right_padded: tuple[int, ...]
 
@@ -80,12 +79,12 @@ def settle(
         positions, report = _settle_rotary(step, policy, not read, repairs)
         step = step._replace(positions=positions)
     if policy.compiling:  # nothing read, nothing reported: the same positions, from shapes and on the device
-        return Settled(_positions_on_device(step, compare, derive), False, None, ())
+        return Settled(_positions_on_device(step, compare, derive), None, ())
     if not read:
         settled = _settle_without_reading(step, compare, derive, repairs)
         return settled if report is None else settled._replace(report=report)
     if _empty(step.input_ids) or _empty(step.positions) or _empty(step.mask):
-        return Settled(step.positions, False, None, ())  # no rows: nothing to read (transformers runs or refuses it)
+        return Settled(step.positions, None, ())  # no rows: nothing to read (transformers runs or refuses it)
     if facts is None:
         facts = read_values(
             step.input_ids, step.token_types, step.positions, step.given, compare, step.mask, step.new, step.past,
@@ -93,7 +92,7 @@ def settle(
         )
         check_values(facts, step.input_ids, step.token_types, step.positions, step.mask, limits)
     positions = _positions_from(facts, step, compare, derive, policy, repairs)
-    return Settled(positions, True, None, rows_to_mark(facts, step.past))
+    return Settled(positions, None, rows_to_mark(facts, step.past))
 
 
 def value_plan(
@@ -304,18 +303,18 @@ def _settle_without_reading(step: ValueStep, compare: bool, derive: bool, repair
         return _repaired_on_device(step.positions, step.mask, step.past)
     if derive:
         repairs.append(Repair(POSITIONS_DERIVED, ""))
-        return Settled(mask_positions(step.mask, 1, step.past, step.cache_position), False, None, ())
-    return Settled(step.positions, False, None, ())
+        return Settled(mask_positions(step.mask, 1, step.past, step.cache_position), None, ())
+    return Settled(step.positions, None, ())
 
 
 def _repaired_on_device(positions: torch.Tensor, mask: Any, past: int | None) -> Settled:
     truth = step_truth(mask, 1, past, positions)
     if truth is None:
-        return Settled(positions, False, None, ())
+        return Settled(positions, None, ())
     derived, real = truth
     wrong = real & (positions != derived)
     repaired = torch.where(wrong, derived, positions)
-    return Settled(repaired, False, Report(wrong, positions, derived, past, mask is not None), ())
+    return Settled(repaired, Report(wrong, positions, derived, past, mask is not None), ())
 
 
 def _positions_on_device(step: ValueStep, compare: bool, derive: bool) -> Any:

@@ -42,8 +42,8 @@ class Question(NamedTuple):
 class Facts(NamedTuple):
     """What a step's values are, read once.  ``None`` ranges were not read (see :func:`read_on_host`).
 
-    ``left``: some row has a pad followed by a real token (left padding, or a gap); ``after``: some row has a real
-    token followed by a pad; ``right_padded``: the rows with a real token followed by a pad that end in a pad;
+    ``left``: some row has a pad followed by a real token (left padding, or a gap); ``right_padded``: the rows with a
+    real token followed by a pad that end in a pad;
     ``wrong``: after a cache, some real new token's given position differs from the mask's (no mask: from the
     positions after the cache); ``counts_pads``: without a cache, the rows whose given positions count their left
     padding (``arange`` over the padded width).
@@ -54,7 +54,6 @@ class Facts(NamedTuple):
     positions: tuple[int, int] | None
     binary: bool
     left: bool
-    after: bool
     right_padded: tuple[int, ...]
     wrong: bool
     counts_pads: tuple[int, ...]
@@ -86,10 +85,10 @@ def read_on_host(question: Question) -> Facts:
     input_ids, _, positions, compare, _, mask, new, past = question
     if mask is None:
         rows = leading = None
-        binary, left, after, right = True, False, False, ()
+        binary, left, right = True, False, ()
     else:
         rows = mask.tolist()
-        binary, left, after, right, leading = _scan(rows)
+        binary, left, right, leading = _scan(rows)
     wrong, counts_pads = False, ()
     if compare and binary and (past != 0 or left):  # (without a cache only a row with left padding can count it)
         given = positions.tolist()
@@ -102,11 +101,11 @@ def read_on_host(question: Question) -> Facts:
             wrong = past is not None and any(own != _numbers(past, past + new) for own in given)
         else:
             wrong = any(map(_wrong, rows, leading, given, repeat(new)))  # type: ignore[arg-type]
-    return _new(Facts, (None, None, None, binary, left, after, right, wrong, counts_pads))
+    return _new(Facts, (None, None, None, binary, left, right, wrong, counts_pads))
 
 
-def _scan(rows: list[list[Any]]) -> tuple[bool, bool, bool, tuple[int, ...], list[int | None]]:
-    """``(binary, left, after, right_padded, leading)`` of a mask's rows (see :class:`Facts`); ``leading``: per row,
+def _scan(rows: list[list[Any]]) -> tuple[bool, bool, tuple[int, ...], list[int | None]]:
+    """``(binary, left, right_padded, leading)`` of a mask's rows (see :class:`Facts`); ``leading``: per row,
     its pads where every one comes before its first real token (0: none), else ``None``.
 
     Each row's real tokens are counted once (``count(1)``, in C: most of a mask's entries are the int 1 itself, which
@@ -114,8 +113,8 @@ def _scan(rows: list[list[Any]]) -> tuple[bool, bool, bool, tuple[int, ...], lis
     width = len(rows[0]) if rows else 0
     ones = list(map(list.count, rows, repeat(1)))
     if ones.count(width) == len(ones):  # every token real: the usual mask
-        return True, False, False, (), [0] * len(ones)
-    left = after = False
+        return True, False, (), [0] * len(ones)
+    left = False
     right: list[int] = []
     leading: list[int | None] = []
     for index, (row, real) in enumerate(zip(rows, ones)):
@@ -126,15 +125,14 @@ def _scan(rows: list[list[Any]]) -> tuple[bool, bool, bool, tuple[int, ...], lis
             continue
         leading.append(None)
         if real + row.count(0) != width:
-            return False, False, False, (), leading
+            return False, False, (), leading
         if not real:  # a row of pads
             continue
         steps = bytes(row) if isinstance(row[0], int) else bytes(map(int, row))
         left = left or b"\x00\x01" in steps
-        after = True  # a real token before the last pad
-        if not row[-1]:
+        if not row[-1]:  # a real token, then pads to the end
             right.append(index)
-    return True, left, after, tuple(right), leading
+    return True, left, tuple(right), leading
 
 
 def _wrong(row: list[int], pads: int | None, own: list[int], new: int) -> bool:
@@ -216,7 +214,6 @@ def read_on_device(question: Question) -> Facts:
         pair(ranged),
         binary is None or not values[binary][0],
         max(highs, default=0) > 0,
-        min(lows, default=0) < 0,
         tuple(row for row, (low, end) in enumerate(zip(lows, ends)) if low < 0 and not end),
         wrong is not None and bool(values[wrong][0]),
         tuple(row for row, flag in enumerate(values[counts]) if flag) if counts is not None else (),

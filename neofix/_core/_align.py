@@ -485,6 +485,15 @@ def align_positions(
             f"{described}: with a 3D or 4D attention mask neofix cannot tell the rows' positions (it never derives "
             f"them from a mask it was not given): pass the new tokens' positions only"
         )
+    return _rederived(described, mask_2d, past, total, repairs, first, kind), False
+
+
+def _rederived(
+    described: str, mask_2d: bool, past: int | None, total: int | None, repairs: list[Repair], first: Any,
+    kind: Positions,
+) -> Any:
+    """Stale positions replaced (repair mode, a 2D mask or none): ``None`` to derive them from the mask in the value
+    step (or to leave them to a family that derives its own), else the positions after the cache, every token real."""
     from_mask = mask_2d or past is None
     instead = (
         "derived them from the attention mask instead"
@@ -500,8 +509,8 @@ def align_positions(
         )
     )
     if from_mask or kind is Positions.MASK:  # (a family that derives positions from its mask: left to it)
-        return None, False
-    return torch.arange(past, total, device=first.device).unsqueeze(0), False  # type: ignore[arg-type]
+        return None
+    return torch.arange(past, total, device=first.device).unsqueeze(0)  # type: ignore[arg-type]
 
 
 def positions_problem(shape: Any, dtype: Any, batch: int) -> NeofixError | None:

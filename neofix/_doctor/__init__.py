@@ -104,11 +104,8 @@ def run(
     """
     from .._families import FAMILIES
 
-    if family not in FAMILIES:
-        raise DoctorUsageError(f"--family {family}: no such family; choose from {', '.join(FAMILIES)}")
     started = time.perf_counter()
-    if model_path is not None:
-        _check_model_directory(model_path)  # before the slow imports: a typo is reported at once
+    _check_arguments(model_path, family)  # before the slow imports: a typo is reported at once
     progress("loading torch and transformers")
     with _quiet_imports():
         import torch
@@ -279,6 +276,16 @@ def _preserved_state(transformers: Any) -> Iterator[None]:
 
 
 # --- the model ---------------------------------------------------------------------------------------------------
+
+
+def _check_arguments(model_path: str | None, family: str) -> None:
+    """Raise :class:`DoctorUsageError` for a family neofix does not know, or a ``model_path`` that is no checkpoint."""
+    from .._families import FAMILIES
+
+    if family not in FAMILIES:
+        raise DoctorUsageError(f"--family {family}: no such family; choose from {', '.join(FAMILIES)}")
+    if model_path is not None:
+        _check_model_directory(model_path)
 
 
 def _check_model_directory(path: str) -> None:

@@ -70,6 +70,10 @@ def questions(draw):
                   torch.ones(2, 5, dtype=torch.long), 2, 3))  # every token real (the usual mask), positions right
 @example(Question(torch.ones(2, 2, dtype=torch.long), None, torch.tensor([[2, 3]]), True, True,
                   torch.ones(2, 5, dtype=torch.long), 2, 3))  # every token real, positions one behind: wrong
+@example(Question(torch.ones(2, 2, dtype=torch.long), None, torch.tensor([3, 4]), True, True,
+                  torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]), 2, 3))  # 1D positions, shared by the rows: wrong
+@example(Question(torch.ones(1, 2, dtype=torch.long), None, torch.tensor([3, 4]), True, True,
+                  torch.ones(1, 5, dtype=torch.long), 2, 3))  # 1D positions: right
 @PROPERTY
 @given(question=questions())
 def test_the_readers_read_alike(question):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neofix._core import CacheView, Limits, Policy, StepInputs, align, explain_index_error
-from neofix._core._reads import Question, read_on_device, read_on_host
+from neofix._core._reads import Question, read_on_device, read_on_host, reader_for
 
 from ._sync import HostReads
 
@@ -53,6 +53,25 @@ def test_compiling_ends_with_the_eager_positions(past, new, mask, positions, exp
     assert compiled.position_ids.tolist() == expected
     if eager.position_ids is not None:
         assert torch.equal(compiled.position_ids, eager.position_ids)
+
+
+# -- the reader chosen ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("elsewhere", ["input_ids", "mask", "positions"])
+def test_the_host_reader_is_chosen_only_where_every_tensor_it_reads_is_in_cpu_memory(elsewhere):
+    """One tensor of the step on another device (``meta`` stands in for an accelerator, which CI does not have) and
+    the step is read on the device: the host reader's ``tolist()`` would synchronise, and a check of that kind is
+    what the device reader makes of it."""
+    tensors = {"input_ids": torch.ones(1, 2, dtype=torch.long), "mask": torch.ones(1, 2, dtype=torch.long),
+               "positions": torch.tensor([[0, 1]])}
+
+    def question():
+        return Question(tensors["input_ids"], None, tensors["positions"], True, True, tensors["mask"], 2, 0)
+
+    assert reader_for(question()) is read_on_host
+    tensors[elsewhere] = tensors[elsewhere].to("meta")
+    assert reader_for(question()) is read_on_device
 
 
 # -- the readers on questions the property rarely draws --------------------------------------------------------------

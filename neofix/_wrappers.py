@@ -441,7 +441,7 @@ def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
 
 # The generate call running in this context (this thread or task): (the model, its prompt length).  Set by the
 # generate wrapper, read by the stopping-criteria wrapper and by the overflow report.
-_GENERATING: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("neofix_generating", default=None)
+_GENERATING: contextvars.ContextVar[tuple[Any, int, Any] | None] = contextvars.ContextVar("neofix_generating", default=None)
 # Whether the generate call running in this context was given position_ids: generate then continues the caller's
 # positions (5.10 and later add one per step; 5.0 and 4.57 repeat the last, 4.40 passes them whole), which are not
 # built from the mask, so its decode steps' positions are compared with the mask's like any caller's (on the device,
@@ -476,7 +476,7 @@ def make_generate(original: Any, _adapter: Any) -> Callable[..., Any]:
                 "Start from the tokenizer's bos_token_id (input_ids=torch.tensor([[tokenizer.bos_token_id]])), or "
                 "pass no input_ids and let generate start from config.bos_token_id"
             )
-        token = _GENERATING.set((self, length))
+        token = _GENERATING.set((self, length, kwargs.get("attention_mask")))
         try:
             return original(self, *args, **kwargs)
         except SequenceTooLongError as exc:
@@ -503,7 +503,7 @@ def _in_generate_terms(exc: SequenceTooLongError, prompt: int) -> SequenceTooLon
     if past is None or total is None or limit is None or getattr(exc, "in_generate", False) or past < prompt:
         return exc
     generated = past - prompt + 1  # the step feeds back the token generated last
-    fit = max(limit - prompt + 1, 0)
+    fit = max(limit - (total - generated) + 1, 0)  # (total - generated: the prompt's positions, its real tokens')
     told = SequenceTooLongError(
         f"generate produced {generated} new token{'s' if generated != 1 else ''} after the {prompt}-token prompt, "
         f"and feeding {'it' if generated == 1 else 'the last one'} back would need position {total - 1}, but "
@@ -526,13 +526,29 @@ def make_get_stopping_criteria(original: Any, adapter: Any) -> Callable[..., Any
         running = _GENERATING.get()
         if running is not None and running[0] is self:
             config = kwargs.get("generation_config", args[0] if args else None)
-            _refuse_what_cannot_run(config, criteria, running[1], adapter.limits(self.config).max_positions)
+            _, prompt, mask = running
+            limits = adapter.limits(self.config)
+            _refuse_what_cannot_run(
+                config, criteria, prompt, limits.max_positions, mask if limits.wider_than_table else None
+            )
         return criteria
 
     return _mark(_get_stopping_criteria)
 
 
-def _refuse_what_cannot_run(config: Any, criteria: Any, prompt: int, limit: int | None) -> None:
+def _fewest_pads(mask: Any, prompt: int) -> int:
+    """The pads of the prompt's row with the most real tokens (positions count real tokens only, where
+    ``Limits.wider_than_table``; generate builds them so); 0 where the mask is not a 2D mask of the prompt's width.
+    Reads the mask: only for a generate call that its columns alone would refuse."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] != prompt or not mask.numel():
+        return 0
+    return max(prompt - int((mask != 0).sum(-1).max()), 0)
+
+
+def _refuse_what_cannot_run(config: Any, criteria: Any, prompt: int, limit: int | None, mask: Any = None) -> None:
+    """Refuse a generate call that cannot run within the position table whatever it generates.  ``prompt``: its
+    columns; ``mask``: its attention mask where positions count real tokens only (``Limits.wider_than_table``), so
+    that the pads of its longest row take no position."""
     if limit is None or config is None:
         return
     max_length = None
@@ -556,16 +572,19 @@ def _refuse_what_cannot_run(config: Any, criteria: Any, prompt: int, limit: int 
         else:
             why = f"min_length={config.min_length}" if forced != prompt + min_new else f"min_new_tokens={min_new}"
             why = f"{why} forces {forced - prompt} new tokens"
-    # the last token generated is never fed back: the forwards reach forced - 1 positions
-    if forced - 1 > limit:
-        fit = max(limit - prompt + 1, 0)
+    # the last token generated is never fed back: the forwards reach forced - 1 positions (less the pads of the
+    # longest row, where positions count real tokens only)
+    pads = _fewest_pads(mask, prompt) if forced - 1 > limit else 0
+    needs = forced - 1 - pads
+    if needs > limit:
+        fit = max(limit - (prompt - pads) + 1, 0)
+        rows = f" (its longest row: {prompt - pads} real tokens)" if pads else ""
         raise SequenceTooLongError(
-            f"generate cannot run within config.max_position_embeddings={limit}: {why}, which needs "
-            f"{forced - 1} positions"
+            f"generate cannot run within config.max_position_embeddings={limit}: {why}, which needs {needs} positions"
             + (
-                f"; at most {fit} new tokens fit after this {prompt}-token prompt"
+                f"; at most {fit} new token{' fits' if fit == 1 else 's fit'} after this {prompt}-token prompt{rows}"
                 if fit
-                else f"; the {prompt}-token prompt alone is longer than that: shorten it"
+                else f"; the {prompt}-token prompt{rows} alone is longer than that: shorten it"
             )
         )
 

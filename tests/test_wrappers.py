@@ -145,7 +145,7 @@ def test_an_empty_eos_list_is_no_eos_and_is_refused_up_front(model):
             64,
             dict(max_new_tokens=3, min_new_tokens=2),
             "generate cannot run within config.max_position_embeddings=64: min_new_tokens=2 forces 2 new tokens, "
-            "which needs 65 positions; at most 1 new tokens fit after this 64-token prompt",
+            "which needs 65 positions; at most 1 new token fits after this 64-token prompt",
         ),
     ],
     ids=["prompt too long", "two forced tokens after a full prompt"],

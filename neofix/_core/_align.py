@@ -32,7 +32,6 @@ from .._errors import (
     InputShapeError,
     MaskLengthError,
     PositionError,
-    SequenceTooLongError,
     TokenIdError,
 )
 from ._types import (
@@ -55,6 +54,7 @@ from ._reads import Facts
 from ._values import (
     FIX_POSITIONS,
     ValueStep,
+    check_positions_fit,
     check_values,
     positions_kept,
     read_values,
@@ -62,6 +62,7 @@ from ._values import (
     cache_position_kept,
     settle,
     settle_cache_position,
+    sequence_too_long,
     value_plan,
 )
 
@@ -110,6 +111,8 @@ def align(
         cache_position,
     )
     settled = settle(values, limits, policy, repairs, facts)
+    if past_the_table(cache.length, new, limits):  # (only where the table bounds positions alone: else refused above)
+        check_positions_fit(settled.positions, cache.length, new, limits, policy.compiling)  # type: ignore[arg-type]
     return Aligned(
         mask,
         settled.positions,
@@ -149,6 +152,8 @@ def keeps_every_rule(
     batch, new = shape
     past = cache.length
     if not new or past is None or not batch or cache_problem(cache, batch, new, limits) is not None:
+        return False, None
+    if limits.wider_than_table and past_the_table(past, new, limits):  # its positions decide: read by align
         return False, None
     if mask is not None:
         if isinstance(mask, dict):
@@ -237,10 +242,11 @@ def check_cache(cache: CacheView, batch: int, new: int, limits: Limits) -> int |
 
 def cache_problem(cache: CacheView, batch: int, new: int, limits: Limits) -> NeofixError | None:
     """The error for a cache that does not fit the step or the model, else ``None``: other rows, another model's
-    heads, layers of different lengths, or more tokens than the position table holds."""
+    heads, layers of different lengths, or more tokens than the position table holds (where the table bounds them:
+    see :func:`past_the_table`)."""
     # Unpacked at once: a named field costs a lookup each.
     past, rows, lengths, _, heads, head_dim, _ = cache
-    max_positions, _, _, model_heads, model_head_dim = limits
+    max_positions, _, _, model_heads, model_head_dim, wider_than_table = limits
     if rows is not None and rows != batch:
         return BatchMismatchError(
             f"the cache holds {rows} rows, but this step feeds {batch}: the cache, attention_mask and "
@@ -257,16 +263,18 @@ def cache_problem(cache: CacheView, batch: int, new: int, limits: Limits) -> Neo
         for layer, held in enumerate(lengths):
             if held is not None and held != past:
                 return cache_length_error(layer, held, past)
-    if past is None or max_positions is None or past + new <= max_positions:
-        return None
-    total, fit = past + new, max(max_positions - past, 0)
-    error = SequenceTooLongError(
-        f"this step would reach sequence length {total} (the cache holds {past} tokens and the step "
-        f"feeds {new}), but config.max_position_embeddings is {max_positions}: {fit} more new "
-        f"token{' fits' if fit == 1 else 's fit'}; shorten the prompt or generate fewer tokens"
-    )
-    error.past, error.total, error.max_positions = past, total, max_positions
-    return error
+    if wider_than_table or not past_the_table(past, new, limits):
+        return None  # (wider than the table: its positions decide, see past_the_table)
+    return sequence_too_long(past, new, max_positions)  # type: ignore[arg-type]
+
+
+def past_the_table(past: int | None, new: int, limits: Limits) -> bool:
+    """Whether a step holds more cached plus new tokens than the position table has rows.  Refused on shapes
+    (:func:`cache_problem`), unless only the positions looked up are bounded by the table
+    (``limits.wider_than_table``): then such a step (a left-padded batch wider than the table) reads its positions
+    and runs where they fit (:func:`~._values.check_positions_fit`)."""
+    max_positions = limits.max_positions
+    return past is not None and max_positions is not None and past + new > max_positions
 
 
 def raise_cache_length_error(layer: Any, held: int, expected: int) -> None:

@@ -97,6 +97,9 @@ class Limits(NamedTuple):
 
     ``max_positions``: size of the position table (``None``: positions are not looked up in a table, or reading past
     it is not an error).  ``heads`` / ``head_dim``: the cache layout the model writes (``None``: not checked).
+    ``wider_than_table``: only the positions looked up are bounded by the table, not the cached plus new tokens (the
+    attention keeps no buffer of ``max_positions`` columns): a left-padded step wider than the table runs right
+    while its positions fit, and its positions are read to tell (see :func:`~neofix._core._align.past_the_table`).
     """
 
     max_positions: int | None
@@ -104,6 +107,7 @@ class Limits(NamedTuple):
     hidden_size: int
     heads: int | None = None
     head_dim: int | None = None
+    wider_than_table: bool = False
 
 
 class StepInputs(NamedTuple):

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._errors import MaskValueError, PositionError, TokenIdError
+from .._errors import MaskValueError, PositionError, SequenceTooLongError, TokenIdError
 from . import _reads
 from ._reads import Facts, Question, step_truth
 from ._types import (
@@ -259,6 +259,34 @@ def settle_cache_position(cache_position: Any, past: int | None, new: int, polic
     said = f"neofix: {described}; used those. Where your code passes it: {fix}. Reported once."
     repairs.append(Repair(CACHE_POSITION_VALUES, said))
     return torch.arange(past, past + new, device=cache_position.device)
+
+
+def check_positions_fit(positions: Any, past: int, new: int, limits: Limits, compiling: bool) -> None:
+    """A step past the position table, where only the positions looked up are bounded by it
+    (:func:`~._align.past_the_table`): raise :class:`~neofix.SequenceTooLongError` unless every position the step
+    looks up fits.  ``None`` (transformers' own: the columns, which do not fit) and a compiled step (nothing is read
+    there) are refused as on shapes.  Reads the positions once: only steps wider than the table get here."""
+    highest = None if positions is None or compiling else int(positions.max())
+    if highest is None or highest >= limits.max_positions:  # type: ignore[operator]
+        raise sequence_too_long(past, new, limits.max_positions, highest)  # type: ignore[arg-type]
+
+
+def sequence_too_long(past: int, new: int, max_positions: int, highest: int | None = None) -> SequenceTooLongError:
+    """The error for a step past the position table: its tokens (``highest`` ``None``) or, where only positions are
+    bounded, the ``highest`` position it would look up."""
+    if highest is None:
+        reach = f"reach sequence length {past + new}"
+        highest = past + new - 1
+    else:
+        reach = f"look up position {highest} (each row's positions count its real tokens)"
+    fit = max(max_positions - (highest + 1 - new), 0)
+    error = SequenceTooLongError(
+        f"this step would {reach} (the cache holds {past} tokens and the step feeds {new}), but "
+        f"config.max_position_embeddings is {max_positions}: {fit} more new token{' fits' if fit == 1 else 's fit'}; "
+        f"shorten the prompt or generate fewer tokens"
+    )
+    error.past, error.total, error.max_positions = past, highest + 1, max_positions
+    return error
 
 
 def check_values(facts: Facts, input_ids: Any, token_types: Any, positions: Any, mask: Any, limits: Limits) -> None:

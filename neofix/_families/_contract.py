@@ -76,9 +76,12 @@ class Adapter:
     explain_overflow: Optional[Callable[..., None]] = None
 
 
-def make_limits(*, table: str | None, width: str, heads: str) -> Callable[[Any], Limits]:
+def make_limits(
+    *, table: str | None, width: str, heads: str, wider_than_table: Callable[[Any], bool] | None = None
+) -> Callable[[Any], Limits]:
     """``limits(config)`` from the names of the config's attributes: the position table's size (``None``: no table
-    that running past is an error), the hidden width and the head count."""
+    that running past is an error), the hidden width and the head count; ``wider_than_table(config)``: whether only
+    the positions looked up are bounded by the table (see :class:`~neofix._core.Limits`; ``None``: never)."""
 
     def limits(config: Any) -> Limits:
         count, size = getattr(config, heads), getattr(config, width)
@@ -88,9 +91,16 @@ def make_limits(*, table: str | None, width: str, heads: str) -> Callable[[Any],
             hidden_size=size,
             heads=count,
             head_dim=size // count,
+            wider_than_table=wider_than_table is not None and wider_than_table(config),
         )
 
     return limits
+
+
+def attention_of(config: Any) -> str:
+    """The attention implementation a model runs (``config._attn_implementation``; before 4.36, which has none,
+    eager)."""
+    return getattr(config, "_attn_implementation", None) or "eager"
 
 
 def make_layers(attribute: str) -> Callable[[Any], int]:

@@ -7,6 +7,12 @@ Measured with tiny random models, vanilla transformers 4.26 - 5.24: GPT-2 fails 
 * Learned absolute positions from a table of ``n_positions`` rows: a left-padded row decodes wrong unless its
   positions start at its first real token, and a sequence past the table fails (``IndexError: index out of range
   in self``; on an accelerator a device-side assert).
+* A left-padded batch wider than the table whose positions fit (each row's real tokens) runs right where the
+  attention keeps no causal buffer of ``n_positions`` columns: sdpa from 4.42, eager from 5.2 (4.26 - 5.1's eager
+  attention slices that buffer and fails on ``The size of tensor a ... must match``).  Measured on 4.26 - 5.25
+  (``tests/test_wider_than_table.py``); flash attention, not measurable on the CPU, is refused as before.  (Up to
+  5.1 the sdpa attention falls back to eager when asked for ``output_attentions`` or given a ``head_mask``: such a
+  wide step fails as vanilla does there.)
 * ``token_type_ids`` are embedded with the token embedding (``wte``): past the vocabulary an ``IndexError``.
 * 1D ``input_ids`` are read as one row on every release.
 * Caches hold keys ``(batch, heads, tokens, head_dim)``: tuples up to 4.56, ``DynamicCache`` from 4.57 (tuples still
@@ -15,15 +21,25 @@ Measured with tiny random models, vanilla transformers 4.26 - 5.24: GPT-2 fails 
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import _compat
 from .._core import Positions
 from . import GPT2
-from ._contract import Adapter, make_layers, make_limits
+from ._contract import Adapter, attention_of, make_layers, make_limits
+
+
+def _wider_than_table(config: Any) -> bool:
+    attention = attention_of(config)
+    return (attention == "sdpa" and _compat.release() >= (4, 42)) or (
+        attention == "eager" and _compat.release() >= (5, 2)
+    )
+
 
 ADAPTER = Adapter(
     family=GPT2,
     positions=Positions.ABSOLUTE,  # learned absolute positions
-    limits=make_limits(table="n_positions", width="n_embd", heads="n_head"),
+    limits=make_limits(table="n_positions", width="n_embd", heads="n_head", wider_than_table=_wider_than_table),
     layers=make_layers("h"),  # GPT2Model's blocks
     legacy_cache_rejected=_compat.release() >= (5, 0),  # measured: 4.57 converts tuples, 5.0 fails
     flat_input_ids_accepted=True,  # every release reads 1D input_ids as one row (view(-1, length))

@@ -186,3 +186,21 @@ def test_the_core_runs_a_wide_step_whose_positions_fit_and_refuses_one_whose_do_
         align(step_of(full), NO_CACHE, WIDE)
     given = torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4, 5, 6]])
     assert align(step_of(mask[:1], given), NO_CACHE, WIDE).position_ids is given  # the caller's, as they are
+
+
+@pytest.mark.parametrize("name", FAMILIES_HERE)
+def test_generate_that_could_stop_in_time_is_told_in_its_terms_where_it_overflows(name):
+    """With an end-of-sequence token generate may stop in time, so it starts; the step that would look up position
+    64 is refused before its compute and told in generate's terms, counting the longest row's real tokens."""
+    model = wide_ok(name)
+    ids, mask = wide_batch(real=(TABLE - 2, 30), width=TABLE + 4)
+    call = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0, max_new_tokens=6)
+    plain_tokens = alone(model, ids, mask, 3)
+    eos = next(token for token in range(1, 96) if token not in plain_tokens.flatten().tolist())
+    error, _ = run(lambda: model.generate(**call, eos_token_id=eos))
+    assert isinstance(error, neofix.SequenceTooLongError), error
+    assert str(error).startswith(
+        f"generate produced 3 new tokens after the {TABLE + 4}-token prompt, and feeding the last one back would need "
+        f"position {TABLE}, but config.max_position_embeddings is {TABLE} (positions 0 to {TABLE - 1}): at most 3 new "
+        f"tokens fit after this prompt. Pass max_new_tokens=3 or fewer"
+    ), error

@@ -32,6 +32,7 @@ from .._errors import (
     InputShapeError,
     MaskLengthError,
     PositionError,
+    SequenceTooLongError,
     TokenIdError,
 )
 from ._types import (
@@ -94,7 +95,7 @@ def align(
     if shape is None:
         return None
     batch, new = shape
-    total = check_cache(cache, batch, new, limits)
+    total, past_the_table = check_cache(cache, batch, new, limits)
     strict = policy.strict
     repairs: list[Repair] = []
     mask, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs)
@@ -111,8 +112,8 @@ def align(
         cache_position,
     )
     settled = settle(values, limits, policy, repairs, facts)
-    if past_the_table(cache.length, new, limits):  # (only where the table bounds positions alone: else refused above)
-        check_positions_fit(settled.positions, cache.length, new, limits, policy.compiling)  # type: ignore[arg-type]
+    if past_the_table is not None:  # more tokens than the table, where it bounds positions alone: they decide
+        check_positions_fit(settled.positions, past_the_table, policy.compiling)
     return Aligned(
         mask,
         settled.positions,
@@ -152,8 +153,6 @@ def keeps_every_rule(
     batch, new = shape
     past = cache.length
     if not new or past is None or not batch or cache_problem(cache, batch, new, limits) is not None:
-        return False, None
-    if limits.wider_than_table and past_the_table(past, new, limits):  # its positions decide: read by align
         return False, None
     if mask is not None:
         if isinstance(mask, dict):
@@ -232,21 +231,27 @@ def ids_problem(shape: Any, dtype: Any) -> NeofixError | None:
 # -- 2. the cache ----------------------------------------------------------------------------------------------------
 
 
-def check_cache(cache: CacheView, batch: int, new: int, limits: Limits) -> int | None:
-    """Check the cache against the step; return ``p + q`` (``None`` when the cache's length cannot be told)."""
+def check_cache(
+    cache: CacheView, batch: int, new: int, limits: Limits
+) -> tuple[int | None, SequenceTooLongError | None]:
+    """Check the cache against the step; return ``p + q`` (``None`` when the cache's length cannot be told), and
+    the error of a step of more tokens than the position table where the table bounds only the positions looked up
+    (``limits.wider_than_table``): a left-padded batch wider than the table runs where its positions fit, which
+    :func:`~._values.check_positions_fit` reads (else ``None``)."""
     problem = cache_problem(cache, batch, new, limits)
-    if problem is not None:
+    deferred = problem if limits.wider_than_table and type(problem) is SequenceTooLongError else None
+    if problem is not None and deferred is None:
         raise problem
-    return None if cache.length is None else cache.length + new
+    return (None if cache.length is None else cache.length + new), deferred
 
 
 def cache_problem(cache: CacheView, batch: int, new: int, limits: Limits) -> NeofixError | None:
     """The error for a cache that does not fit the step or the model, else ``None``: other rows, another model's
-    heads, layers of different lengths, or more tokens than the position table holds (where the table bounds them:
-    see :func:`past_the_table`)."""
+    heads, layers of different lengths, or more tokens than the position table holds (where the table bounds only
+    positions, a left-padded step may still fit: see :func:`check_cache`)."""
     # Unpacked at once: a named field costs a lookup each.
     past, rows, lengths, _, heads, head_dim, _ = cache
-    max_positions, _, _, model_heads, model_head_dim, wider_than_table = limits
+    max_positions, _, _, model_heads, model_head_dim, _ = limits
     if rows is not None and rows != batch:
         return BatchMismatchError(
             f"the cache holds {rows} rows, but this step feeds {batch}: the cache, attention_mask and "
@@ -263,18 +268,9 @@ def cache_problem(cache: CacheView, batch: int, new: int, limits: Limits) -> Neo
         for layer, held in enumerate(lengths):
             if held is not None and held != past:
                 return cache_length_error(layer, held, past)
-    if wider_than_table or not past_the_table(past, new, limits):
-        return None  # (wider than the table: its positions decide, see past_the_table)
-    return sequence_too_long(past, new, max_positions)  # type: ignore[arg-type]
-
-
-def past_the_table(past: int | None, new: int, limits: Limits) -> bool:
-    """Whether a step holds more cached plus new tokens than the position table has rows.  Refused on shapes
-    (:func:`cache_problem`), unless only the positions looked up are bounded by the table
-    (``limits.wider_than_table``): then such a step (a left-padded batch wider than the table) reads its positions
-    and runs where they fit (:func:`~._values.check_positions_fit`)."""
-    max_positions = limits.max_positions
-    return past is not None and max_positions is not None and past + new > max_positions
+    if past is None or max_positions is None or past + new <= max_positions:
+        return None
+    return sequence_too_long(past, new, max_positions)
 
 
 def raise_cache_length_error(layer: Any, held: int, expected: int) -> None:

@@ -261,14 +261,18 @@ def settle_cache_position(cache_position: Any, past: int | None, new: int, polic
     return torch.arange(past, past + new, device=cache_position.device)
 
 
-def check_positions_fit(positions: Any, past: int, new: int, limits: Limits, compiling: bool) -> None:
-    """A step past the position table, where only the positions looked up are bounded by it
-    (:func:`~._align.past_the_table`): raise :class:`~neofix.SequenceTooLongError` unless every position the step
-    looks up fits.  ``None`` (transformers' own: the columns, which do not fit) and a compiled step (nothing is read
-    there) are refused as on shapes.  Reads the positions once: only steps wider than the table get here."""
-    highest = None if positions is None or compiling else int(positions.max())
-    if highest is None or highest >= limits.max_positions:  # type: ignore[operator]
-        raise sequence_too_long(past, new, limits.max_positions, highest)  # type: ignore[arg-type]
+def check_positions_fit(positions: Any, past_the_table: SequenceTooLongError, compiling: bool) -> None:
+    """A step of more tokens than the position table, where only the positions looked up are bounded by it
+    (:func:`~._align.check_cache`): raise ``past_the_table`` (its columns' error) unless every position the step
+    looks up fits, or the error naming the position that does not.  ``None`` (transformers' own: the columns) and a
+    compiled step (nothing is read there) are refused on their columns.  Reads the positions once: only steps wider
+    than the table get here."""
+    if positions is None or compiling:
+        raise past_the_table
+    highest, size = int(positions.max()), past_the_table.max_positions
+    if highest >= size:
+        past = past_the_table.past
+        raise sequence_too_long(past, past_the_table.total - past, size, highest)
 
 
 def sequence_too_long(past: int, new: int, max_positions: int, highest: int | None = None) -> SequenceTooLongError:

@@ -204,3 +204,27 @@ def test_generate_that_could_stop_in_time_is_told_in_its_terms_where_it_overflow
         f"position {TABLE}, but config.max_position_embeddings is {TABLE} (positions 0 to {TABLE - 1}): at most 3 new "
         f"tokens fit after this prompt. Pass max_new_tokens=3 or fewer"
     ), error
+
+
+@pytest.mark.parametrize("ask", [{"output_attentions": True}, {"head_mask": "ones"}])
+def test_gpt2s_eager_fallback_is_refused_where_vanilla_fails(ask):
+    """On 4.42 - 4.53 GPT-2's sdpa attention runs its eager one when asked for attentions or given a head mask: a
+    wide step fails there in vanilla (a size mismatch) and is refused by neofix before its compute; elsewhere it runs
+    as in vanilla."""
+    if "gpt2" not in FAMILIES_HERE:
+        pytest.skip("GPT-2 is not tested on this release (NEOFIX_TEST_FAMILIES)")
+    model = wide_ok("gpt2")
+    ids, mask = wide_batch()
+    if "head_mask" in ask:
+        ask = {"head_mask": torch.ones(model.config.n_layer, model.config.n_head)}
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    call = dict(input_ids=ids, attention_mask=mask, position_ids=positions, **ask)
+    patched, _ = run(lambda: model(**call).logits)
+    with neofix.unpatched():
+        plain, _ = run(lambda: model(**call).logits)
+    if isinstance(plain, Exception):
+        assert isinstance(patched, neofix.SequenceTooLongError), patched
+        assert "GPT-2's sdpa attention runs its eager one" in str(patched)
+    else:
+        assert isinstance(patched, torch.Tensor), patched
+        assert torch.equal(patched, plain)

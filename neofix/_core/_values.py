@@ -275,9 +275,11 @@ def check_positions_fit(positions: Any, past_the_table: SequenceTooLongError, co
         raise sequence_too_long(past, past_the_table.total - past, size, highest)
 
 
-def sequence_too_long(past: int, new: int, max_positions: int, highest: int | None = None) -> SequenceTooLongError:
+def sequence_too_long(
+    past: int, new: int, max_positions: int, highest: int | None = None, why: str = ""
+) -> SequenceTooLongError:
     """The error for a step past the position table: its tokens (``highest`` ``None``) or, where only positions are
-    bounded, the ``highest`` position it would look up."""
+    bounded, the ``highest`` position it would look up; ``why``: a family's reason, said last."""
     if highest is None:
         reach = f"reach sequence length {past + new}"
         highest = past + new - 1
@@ -287,7 +289,7 @@ def sequence_too_long(past: int, new: int, max_positions: int, highest: int | No
     error = SequenceTooLongError(
         f"this step would {reach} (the cache holds {past} tokens and the step feeds {new}), but "
         f"config.max_position_embeddings is {max_positions}: {fit} more new token{' fits' if fit == 1 else 's fit'}; "
-        f"shorten the prompt or generate fewer tokens"
+        f"shorten the prompt or generate fewer tokens{why}"
     )
     error.past, error.total, error.max_positions = past, highest + 1, max_positions
     return error

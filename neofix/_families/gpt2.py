@@ -10,9 +10,9 @@ Measured with tiny random models, vanilla transformers 4.26 - 5.24: GPT-2 fails 
 * A left-padded batch wider than the table whose positions fit (each row's real tokens) runs right where the
   attention keeps no causal buffer of ``n_positions`` columns: sdpa from 4.42, eager from 5.2 (4.26 - 5.1's eager
   attention slices that buffer and fails on ``The size of tensor a ... must match``).  Measured on 4.26 - 5.25
-  (``tests/test_wider_than_table.py``); flash attention, not measurable on the CPU, is refused as before.  (Up to
-  5.1 the sdpa attention falls back to eager when asked for ``output_attentions`` or given a ``head_mask``: such a
-  wide step fails as vanilla does there.)
+  (``tests/test_wider_than_table.py``); flash attention, not measurable on the CPU, is refused as before.  On
+  4.42 - 4.53 the sdpa attention falls back to the eager one when asked for attentions or given a ``head_mask``,
+  and vanilla fails such a wide step: refused before its compute (:func:`check_step`).
 * ``token_type_ids`` are embedded with the token embedding (``wte``): past the vocabulary an ``IndexError``.
 * 1D ``input_ids`` are read as one row on every release.
 * Caches hold keys ``(batch, heads, tokens, head_dim)``: tuples up to 4.56, ``DynamicCache`` from 4.57 (tuples still
@@ -24,9 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
-from .._core import Positions
+from .._core import CacheView, Positions
+from .._core._values import sequence_too_long
 from . import GPT2
-from ._contract import Adapter, attention_of, make_layers, make_limits
+from ._contract import Adapter, attention_of, make_layers, make_limits, no_check
 
 
 def _wider_than_table(config: Any) -> bool:
@@ -36,11 +37,36 @@ def _wider_than_table(config: Any) -> bool:
     )
 
 
+def check_step(model: Any, cache: CacheView, call: dict) -> None:
+    """4.42 - 4.53: the sdpa attention falls back to the eager one when asked for attentions or given a ``head_mask``,
+    and the eager one slices a causal buffer of ``n_positions`` columns: a step wider than the table, which sdpa runs
+    (``_wider_than_table``), fails there (vanilla: a size mismatch).  Refused before its compute, on its columns."""
+    config = model.config
+    past, size = cache.length, config.n_positions
+    first = call.get("input_ids")
+    first = first if first is not None else call.get("inputs_embeds")
+    if past is None or first is None or first.dim() < 2 or past + first.shape[1] <= size:
+        return
+    wants = call.get("output_attentions")
+    if (wants or (wants is None and config.output_attentions) or call.get("head_mask") is not None) and (
+        attention_of(config) == "sdpa"
+    ):
+        raise sequence_too_long(
+            past,
+            first.shape[1],
+            size,
+            why=f". (Asked for attentions or given a head_mask, GPT-2's sdpa attention runs its eager one on transformers "
+            f"{_compat.transformers_version()}, which holds {size} columns; without them a left-padded batch wider "
+            f"than the table runs while its positions fit)",
+        )
+
+
 ADAPTER = Adapter(
     family=GPT2,
     positions=Positions.ABSOLUTE,  # learned absolute positions
     limits=make_limits(table="n_positions", width="n_embd", heads="n_head", wider_than_table=_wider_than_table),
     layers=make_layers("h"),  # GPT2Model's blocks
     legacy_cache_rejected=_compat.release() >= (5, 0),  # measured: 4.57 converts tuples, 5.0 fails
+    check_step=check_step if (4, 42) <= _compat.release() < (4, 54) else no_check,
     flat_input_ids_accepted=True,  # every release reads 1D input_ids as one row (view(-1, length))
 )

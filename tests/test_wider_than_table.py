@@ -12,6 +12,8 @@ The fact each adapter states is checked against vanilla on the installed release
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import transformers
@@ -21,6 +23,7 @@ from neofix._core import NO_CACHE, Limits, Policy, StepInputs, align
 from neofix._families import FAMILIES
 from neofix.testing import FAMILY_CONFIGS, reference_greedy, tiny_model
 
+from ._versions import TF_RELEASE
 from .loops import decode, left_padded_batch
 from .test_families import NAMES, run
 
@@ -101,12 +104,13 @@ def test_a_wide_left_padded_batch_decodes_as_each_row_alone(name, positions):
     assert torch.equal(tokens, alone(model, ids, mask))
 
 
+@pytest.mark.parametrize("new", [2, STEPS])  # (2: the columns pass the table by one position only)
 @pytest.mark.parametrize("name", FAMILIES_HERE)
-def test_generate_pads_a_batch_past_the_table_as_vanilla_does(name):
+def test_generate_pads_a_batch_past_the_table_as_vanilla_does(name, new):
     """``padding="max_length"`` to the table, then generate: the rows fit, the columns do not."""
     model = model_of(name)
     ids, mask = wide_batch(width=TABLE)
-    call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+    call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
     call["eos_token_id"] = None
     patched, _ = run(lambda: model.generate(**call))
     if not limits_of(name, model).wider_than_table:
@@ -117,7 +121,7 @@ def test_generate_pads_a_batch_past_the_table_as_vanilla_does(name):
         plain, _ = run(lambda: model.generate(**call))
     assert isinstance(plain, torch.Tensor), plain
     assert torch.equal(patched, plain)
-    assert torch.equal(patched[:, TABLE:], alone(model, ids, mask))
+    assert torch.equal(patched[:, TABLE:], alone(model, ids, mask, new))
 
 
 def wide_ok(name):
@@ -228,3 +232,45 @@ def test_gpt2s_eager_fallback_is_refused_where_vanilla_fails(ask):
     else:
         assert isinstance(patched, torch.Tensor), patched
         assert torch.equal(patched, plain)
+
+
+@pytest.mark.parametrize("name", FAMILIES_HERE)
+def test_generate_of_an_unpadded_prompt_is_refused_on_its_columns(name):
+    """Every token real: the columns are the positions, and one position too many is refused up front."""
+    model = wide_ok(name)
+    ids = torch.randint(1, 96, (1, TABLE - 2), generator=torch.Generator().manual_seed(4))
+    call = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    refused, _ = run(lambda: model.generate(**call, eos_token_id=None, max_new_tokens=4))
+    assert isinstance(refused, neofix.SequenceTooLongError), refused
+    assert str(refused) == (
+        f"generate cannot run within config.max_position_embeddings={TABLE}: no eos_token_id, so it runs to "
+        f"max_length={TABLE + 2}, which needs {TABLE + 1} positions; at most 3 new tokens fit after this "
+        f"{TABLE - 2}-token prompt"
+    )
+
+
+def test_the_pads_generate_counts_come_from_a_mask_of_the_prompts_width():
+    from neofix._wrappers import _fewest_pads
+
+    assert _fewest_pads(torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]), 5) == 1  # the longest row's pads
+    assert _fewest_pads(torch.tensor([[0, 0, 1, 1, 1]]), 7) == 0  # another width: not this prompt's mask
+    assert _fewest_pads(torch.tensor([0, 1, 1, 1, 1]), 5) == 0  # not a 2D mask
+    assert _fewest_pads(torch.ones(0, 5, dtype=torch.long), 5) == 0  # no rows
+    assert _fewest_pads(None, 5) == 0
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gptj", "codegen"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "flash_attention_2"])
+def test_the_fact_by_release_and_attention(name, attention):
+    """What each adapter says, on the installed release, for every attention implementation: flash attention, which
+    the CPU cannot run, keeps the refusal on columns."""
+    import types
+
+    config = types.SimpleNamespace(n_positions=64, vocab_size=96, n_embd=32, n_head=4, _attn_implementation=attention)
+    release = TF_RELEASE
+    if name == "gpt2":
+        expected = (attention == "sdpa" and release >= (4, 42)) or (attention == "eager" and release >= (5, 2))
+    else:
+        expected = attention in ("eager", "sdpa") and release >= (4, 45)
+    importlib.import_module(FAMILIES[name].module)
+    assert FAMILIES[name].load_adapter().limits(config).wider_than_table is expected

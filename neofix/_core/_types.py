@@ -99,7 +99,7 @@ class Limits(NamedTuple):
     it is not an error).  ``heads`` / ``head_dim``: the cache layout the model writes (``None``: not checked).
     ``wider_than_table``: only the positions looked up are bounded by the table, not the cached plus new tokens (the
     attention keeps no buffer of ``max_positions`` columns): a left-padded step wider than the table runs right
-    while its positions fit, and its positions are read to tell (see :func:`~neofix._core._align.past_the_table`).
+    while its positions fit, and its positions are read to tell (see :func:`~neofix._core._align.check_cache`).
     """
 
     max_positions: int | None

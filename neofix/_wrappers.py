@@ -439,8 +439,8 @@ def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
     return inputs
 
 
-# The generate call running in this context (this thread or task): (the model, its prompt length).  Set by the
-# generate wrapper, read by the stopping-criteria wrapper and by the overflow report.
+# The generate call running in this context (this thread or task): (the model, its prompt length, its attention mask
+# or None).  Set by the generate wrapper, read by the stopping-criteria wrapper and by the overflow report.
 _GENERATING: contextvars.ContextVar[tuple[Any, int, Any] | None] = contextvars.ContextVar("neofix_generating", default=None)
 # Whether the generate call running in this context was given position_ids: generate then continues the caller's
 # positions (5.10 and later add one per step; 5.0 and 4.57 repeat the last, 4.40 passes them whole), which are not

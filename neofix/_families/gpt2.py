@@ -25,7 +25,9 @@ from typing import Any
 
 from .. import _compat
 from .._core import CacheView, Positions
+from .._core._align import cache_problem
 from .._core._values import sequence_too_long
+from .._errors import SequenceTooLongError
 from . import GPT2
 from ._contract import Adapter, attention_of, make_layers, make_limits, no_check
 
@@ -40,24 +42,25 @@ def _wider_than_table(config: Any) -> bool:
 def check_step(model: Any, cache: CacheView, call: dict) -> None:
     """4.42 - 4.53: the sdpa attention falls back to the eager one when asked for attentions or given a ``head_mask``,
     and the eager one slices a causal buffer of ``n_positions`` columns: a step wider than the table, which sdpa runs
-    (``_wider_than_table``), fails there (vanilla: a size mismatch).  Refused before its compute, on its columns."""
+    (``_wider_than_table``), fails there (vanilla: a size mismatch).  Refused before its compute, on its columns (the
+    core's own rule, :func:`~neofix._core._align.cache_problem`)."""
     config = model.config
-    past, size = cache.length, config.n_positions
+    wants = call.get("output_attentions")
+    if not (wants or (wants is None and config.output_attentions) or call.get("head_mask") is not None):
+        return  # (the usual step: nothing more is read)
     first = call.get("input_ids")
     first = first if first is not None else call.get("inputs_embeds")
-    if past is None or first is None or first.dim() < 2 or past + first.shape[1] <= size:
+    if attention_of(config) != "sdpa" or first is None or first.dim() < 2:
         return
-    wants = call.get("output_attentions")
-    if (wants or (wants is None and config.output_attentions) or call.get("head_mask") is not None) and (
-        attention_of(config) == "sdpa"
-    ):
+    problem = cache_problem(cache, first.shape[0], first.shape[1], ADAPTER.limits(config))
+    if type(problem) is SequenceTooLongError:
         raise sequence_too_long(
-            past,
+            problem.past,  # type: ignore[attr-defined]
             first.shape[1],
-            size,
+            problem.max_positions,  # type: ignore[attr-defined]
             why=f". (Asked for attentions or given a head_mask, GPT-2's sdpa attention runs its eager one on transformers "
-            f"{_compat.transformers_version()}, which holds {size} columns; without them a left-padded batch wider "
-            f"than the table runs while its positions fit)",
+            f"{_compat.transformers_version()}, which holds {problem.max_positions} columns; without them a "  # type: ignore[attr-defined]
+            f"left-padded batch wider than the table runs while its positions fit)",
         )
 
 

@@ -433,7 +433,7 @@ def test_unknown_family_is_a_usage_error():
 # --- run(): what the self-check runs, on which model, and what it returns ------------------------------------------
 
 from neofix import _doctor  # noqa: E402
-from neofix._doctor import Row  # noqa: E402
+from neofix._doctor import Row, _report  # noqa: E402
 
 ALL_MODULES = [family.module for family in FAMILIES.values()]
 GPT_NEO_MODULE = FAMILIES["gpt_neo"].module
@@ -538,6 +538,21 @@ def test_run_checks_the_chosen_family(monkeypatch):
     }
     assert type(seen[-1]["model"]) is transformers.GPT2LMHeadModel
     assert seen[-1]["adapter"] is FAMILIES["gpt2"].load_adapter()
+
+
+@pytest.mark.parametrize(
+    ("family", "described"),
+    [("gpt2", "2 layers, vocab 96, 64 positions, float32"), ("bloom", "2 layers, vocab 96, no position table, float32")],
+)
+def test_the_table_describes_a_family_without_local_layers_as_it_is(monkeypatch, family, described):
+    """No local window and no layer kinds where the family has none (they were GPT-Neo's "2 layers (?), local window
+    0"), and no position table where it has none (BLOOM was said to have 2048 positions)."""
+    monkeypatch.setattr(_scenarios, "SCENARIOS", (probe_scenario([]),))
+    report = _doctor.run(family=family, others=False)
+    lines = _report.as_table(report).splitlines()
+    start = lines.index(f"Self-check on the built-in tiny random {FAMILIES[family].title} (no download):")
+    assert lines[start + 1 : start + 3] == [f"  {described}", "  prompts of 6, 3, 5 tokens left-padded, 8 new tokens."]
+    assert report.model["max_position_embeddings"] == (64 if family == "gpt2" else None)
 
 
 def test_rotary_family_runs_the_scenarios_that_apply_to_it(monkeypatch):

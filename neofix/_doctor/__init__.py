@@ -371,7 +371,7 @@ def _describe_context(context: Any) -> dict[str, Any]:
         "attention_layers": layers,
         "window_size": window,
         "vocab_size": context.vocab_size,
-        "max_position_embeddings": context.max_positions,
+        "max_position_embeddings": context.limit,  # None: no position table (BLOOM)
         "dtype": str(next(context.model.parameters()).dtype).replace("torch.", ""),
         "prompt_lengths": list(ROW_LENGTHS),
         "new_tokens": STEPS,

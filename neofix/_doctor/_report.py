@@ -113,20 +113,23 @@ def _versions_lines(report: Any) -> list[str]:
 
 def _model_lines(report: Any) -> list[str]:
     m = report.model
-    kinds = m["attention_layers"]
-    layers = ", ".join(kinds[:6]) + (", ..." if len(kinds) > 6 else "") if kinds else "?"
-    crossed = (
-        "every sequence crosses the local window"
-        if m["local_window_crossed"]
-        else "the sequences stay inside the local window"
-    )
+    kinds = m["attention_layers"]  # GPT-Neo's global and local layers; empty for the other families
+    shape = f"{m['layers']} layers"
+    crossed = "."
+    if kinds:
+        shape += f" ({', '.join(kinds[:6])}{', ...' if len(kinds) > 6 else ''}), local window {m['window_size']}"
+        crossed = (
+            ": every sequence crosses the local window."
+            if m["local_window_crossed"]
+            else ": the sequences stay inside the local window."
+        )
+    table = "no position table" if m["max_position_embeddings"] is None else f"{m['max_position_embeddings']} positions"
     return [
         "",
         f"Self-check on the {m['source']}:",
-        f"  {m['layers']} layers ({layers}), local window {m['window_size']}, vocab {m['vocab_size']}, "
-        f"{m['max_position_embeddings']} positions, {m['dtype']}",
+        f"  {shape}, vocab {m['vocab_size']}, {table}, {m['dtype']}",
         f"  prompts of {', '.join(str(n) for n in m['prompt_lengths'])} tokens left-padded, "
-        f"{m['new_tokens']} new tokens: {crossed}.",
+        f"{m['new_tokens']} new tokens{crossed}",
         f"  Each scenario runs on vanilla transformers (neofix.unpatch()), then with neofix in {report.mode} mode;",
         "  both are compared token for token with a full recompute (no cache, positions from the mask).",
         "",

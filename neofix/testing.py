@@ -188,10 +188,8 @@ def tiny_config(family: str = "gpt_neo", **overrides: Any) -> Any:
         return tiny_gpt_neo_config(**overrides)
     if family not in FAMILY_CONFIGS:
         raise ValueError(f"neofix.testing: no tiny model for family {family!r}; choose from {sorted(FAMILY_CONFIGS)}")
-    import transformers
-
     config_class, _, values = FAMILY_CONFIGS[family]
-    return getattr(transformers, config_class)(**{**values, **overrides})
+    return _transformers_class(config_class, family)(**{**values, **overrides})
 
 
 def tiny_model(family: str = "gpt_neo", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
@@ -202,9 +200,21 @@ def tiny_model(family: str = "gpt_neo", seed: int = 0, dtype: torch.dtype = torc
     """
     if family == "gpt_neo":
         return tiny_gpt_neo(seed, dtype, **overrides)
+    config = tiny_config(family, **overrides)  # (an unknown family: its ValueError)
+    return _built(_transformers_class(FAMILY_CONFIGS[family][1], family), config, seed, dtype)
+
+
+def _transformers_class(name: str, family: str) -> Any:
+    """``transformers.<name>``; a family this release does not have is a ``ValueError`` that says so."""
     import transformers
 
-    return _built(getattr(transformers, FAMILY_CONFIGS[family][1]), tiny_config(family, **overrides), seed, dtype)
+    found = getattr(transformers, name, None)
+    if found is None:
+        raise ValueError(
+            f"neofix.testing: transformers {transformers.__version__} has no {name}, so it has no tiny {family!r} "
+            f"model (neofix's \"Families and releases\" page lists the release each family needs)"
+        )
+    return found
 
 
 def reference_positions(attention_mask: torch.Tensor) -> torch.Tensor:

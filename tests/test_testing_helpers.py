@@ -7,7 +7,14 @@ import pytest
 import torch
 import transformers
 
-from neofix.testing import assert_generation_consistent, tiny_config, tiny_gpt_neo, tiny_gpt_neo_config, tiny_model
+from neofix.testing import (
+    FAMILY_CONFIGS,
+    assert_generation_consistent,
+    tiny_config,
+    tiny_gpt_neo,
+    tiny_gpt_neo_config,
+    tiny_model,
+)
 
 PROMPT = torch.tensor([[5, 6, 7]])  # the tiny GPT-Neo of seed 0 generates no eos (token 0) for 46 tokens after it
 
@@ -89,3 +96,26 @@ def test_a_shorter_generation_is_named_with_the_trace_cut_at_40_forwards():
     assert lines[1] == "trace (41 forwards):"
     assert len(lines) == 2 + 40 + 1 and lines[-1] == "  ... 1 more"
     assert all(line.startswith("  ") for line in lines[2:])
+
+
+def test_a_family_without_a_tiny_model_is_a_value_error_that_lists_them():
+    """``tiny_model("falcon")`` raised a bare ``KeyError: 'falcon'`` (the plugin's fixture too); ``tiny_config``'s
+    ``ValueError`` names the families there are."""
+    for build in (tiny_model, tiny_config):
+        with pytest.raises(ValueError, match=r"no tiny model for family 'falcon'; choose from \['bloom', 'codegen'"):
+            build("falcon")
+
+
+def test_a_family_this_release_does_not_have_is_a_value_error_that_says_so(monkeypatch):
+    """On a release without the family's classes (Llama before 4.30: ``AttributeError`` from ``transformers``), a
+    ``ValueError`` naming the release and the class; where this release has Llama, a class name it lacks stands in."""
+    config_class, model_class, values = FAMILY_CONFIGS["llama"]
+    if hasattr(transformers, config_class):
+        config_class = model_class = "NotInThisReleaseForCausalLM"
+        monkeypatch.setitem(FAMILY_CONFIGS, "llama", (config_class, model_class, values))
+    with pytest.raises(ValueError) as raised:
+        tiny_model("llama")
+    assert str(raised.value) == (
+        f"neofix.testing: transformers {transformers.__version__} has no {config_class}, so it has no tiny 'llama' "
+        "model (neofix's \"Families and releases\" page lists the release each family needs)"
+    )

@@ -93,18 +93,38 @@ def load_environment(environ: Any = os.environ) -> None:
         ("NEOFIX_UNCACHED_POSITIONS", POSITION_SOURCES, "'mask'", lambda value: configure(uncached_positions=value)),
         ("NEOFIX_TRACE", None, "0", lambda value: setattr(settings, "log_steps", value)),
     ):
-        given = environ.get(variable)
-        if given is None or (choices is not None and not given.strip()):
-            continue
-        value = given.strip().lower()
-        if choices is not None and value in choices:
+        value = environment_flag(variable, environ) if choices is None else _choice(variable, choices, default, environ)
+        if value is not None:
             apply(value)
-        elif choices is None and value in _TRUE + _FALSE:
-            apply(value in _TRUE)
-        else:
-            expected = f"one of {choices}" if choices is not None else "a boolean (1/0, true/false)"
-            warnings.warn(
-                f"{variable}={given!r} is not {expected}; using {default}",
-                NeofixWarning,
-                stacklevel=caller_stacklevel(),  # the user's `import neofix` line
-            )
+
+
+def _choice(variable: str, choices: tuple[str, ...], default: str, environ: Any) -> str | None:
+    """One of ``choices`` (any case, spaces around); ``None`` where unset, empty or not understood (warned)."""
+    given = environ.get(variable)
+    if given is None or not given.strip():
+        return None
+    if given.strip().lower() in choices:
+        return given.strip().lower()
+    _warn_not_understood(variable, given, f"one of {choices}", default)
+    return None
+
+
+def environment_flag(variable: str, environ: Any = os.environ) -> bool | None:
+    """A boolean environment variable: ``True`` for 1/true/yes/on, ``False`` for 0/false/no/off or empty (any case,
+    spaces around), ``None`` where unset or not understood (warned: the user's ``import neofix`` line)."""
+    given = environ.get(variable)
+    if given is None:
+        return None
+    value = given.strip().lower()
+    if value in _TRUE + _FALSE:
+        return value in _TRUE
+    _warn_not_understood(variable, given, "a boolean (1/0, true/false)", "0")
+    return None
+
+
+def _warn_not_understood(variable: str, given: str, expected: str, default: str) -> None:
+    warnings.warn(
+        f"{variable}={given!r} is not {expected}; using {default}",
+        NeofixWarning,
+        stacklevel=caller_stacklevel(),  # the user's `import neofix` line
+    )

@@ -349,10 +349,10 @@ def _on_import(module: Any) -> None:
 def register() -> None:
     """Called once by ``import neofix``: read the environment and register the post-import hooks."""
     global _enabled
-    from ._config import load_environment
+    from ._config import environment_flag, load_environment
 
     load_environment()
-    if os.environ.get("NEOFIX_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
+    if environment_flag("NEOFIX_DISABLE"):
         return
     names = os.environ.get("NEOFIX_FAMILIES", "").strip()
     if names:

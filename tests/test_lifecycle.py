@@ -614,6 +614,18 @@ def test_neofix_disable_registers_no_hook(registering, monkeypatch, value):
     assert all(reason.startswith("not needed on transformers") for _, state, reason in rows if state == "skipped")
 
 
+def test_neofix_disable_not_understood_is_warned_and_patches(registering, monkeypatch):
+    """NEOFIX_DISABLE=yesplease was read as "not disabled" without a word, though an invalid value is documented as
+    warned: it is named whole, and neofix patches as without it."""
+    monkeypatch.setenv("NEOFIX_DISABLE", "yesplease")
+    with pytest.warns(neofix.NeofixWarning) as caught:
+        _lifecycle.register()
+    assert [str(warning.message) for warning in caught] == [
+        "NEOFIX_DISABLE='yesplease' is not a boolean (1/0, true/false); using 0"
+    ]
+    assert _lifecycle._applied.get("gpt_neo")
+
+
 def test_register_patches_the_loaded_modules_at_once_and_waits_first_for_the_others(registering, monkeypatch):
     """A loaded family's module is patched as ``import neofix`` registers; one not loaded yet is waited for by a
     finder placed first in ``sys.meta_path``, ahead of every finder that could load it."""

@@ -146,7 +146,8 @@ def _register() -> None:
         register()
     except Exception as exc:  # importing neofix must never crash a program
         _warnings.warn(
-            f"neofix: could not register its GPT-Neo patch ({type(exc).__name__}: {exc}); GPT-Neo is unpatched",
+            f"neofix: registering its patches failed ({type(exc).__name__}: {exc}); the families not patched by "
+            f"then stay unpatched (`neofix doctor` lists each patch target's state)",
             NeofixWarning,
             stacklevel=2,
         )

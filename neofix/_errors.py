@@ -21,6 +21,11 @@ __all__ = [
 ]
 
 
+def counted(count: Any, thing: str) -> str:
+    """``"1 row"``, ``"2 rows"``: a count and its noun, for messages."""
+    return f"{count} {thing}" if count == 1 else f"{count} {thing}s"
+
+
 class NeofixError(ValueError):
     """A decoding step whose attention mask, positions, cache and inputs cannot be made to agree.
 

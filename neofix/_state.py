@@ -27,7 +27,7 @@ import torch
 
 from . import _caches, _compat
 from ._core import derive_positions
-from ._errors import BatchMismatchError, CacheLengthError, InputShapeError, MaskLengthError, NeofixError
+from ._errors import BatchMismatchError, CacheLengthError, InputShapeError, MaskLengthError, NeofixError, counted
 
 __all__ = ["DecodeState"]
 
@@ -131,9 +131,9 @@ def _tensor(value: Any, name: str, where: str) -> torch.Tensor:
     return value
 
 
-def _integer(value: torch.Tensor, name: str, where: str) -> None:
+def _integer(value: torch.Tensor, name: str, where: str, what: str = "token ids") -> None:
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise TypeError(f"{where}: {name} must hold integer token ids, got dtype {value.dtype}")
+        raise TypeError(f"{where}: {name} must hold integer {what}, got dtype {value.dtype}")
 
 
 class DecodeState:
@@ -254,7 +254,7 @@ class DecodeState:
                 f"per row"
             )
         if tokens.shape[0] != batch:
-            raise BatchMismatchError(f"{where}: tokens has {tokens.shape[0]} rows, but the state holds {batch}")
+            raise BatchMismatchError(f"{where}: tokens has {counted(tokens.shape[0], 'row')}, but the state holds {batch}")
         column = self._mask.new_ones((batch, 1))
         if finished is not None:
             finished = _tensor(finished, "finished", where)
@@ -263,7 +263,7 @@ class DecodeState:
             if finished.dim() != 1:
                 raise InputShapeError(f"{where}: finished has shape {tuple(finished.shape)}; expected ({batch},)")
             if finished.shape[0] != batch:
-                raise BatchMismatchError(f"{where}: finished has {finished.shape[0]} rows, but the state holds {batch}")
+                raise BatchMismatchError(f"{where}: finished has {counted(finished.shape[0], 'row')}, but the state holds {batch}")
             column = (~finished).to(device=self._mask.device, dtype=self._mask.dtype).unsqueeze(1)
 
         cache = _cache_of(out, where)
@@ -294,7 +294,7 @@ class DecodeState:
         """
         where = "DecodeState.reorder"
         index = _tensor(beam_idx, "beam_idx", where)
-        _integer(index, "beam_idx", where)
+        _integer(index, "beam_idx", where, "row indices")
         batch = self._sequences.shape[0]
         if index.dim() != 1 or index.shape[0] == 0:
             raise InputShapeError(
@@ -333,7 +333,7 @@ class DecodeState:
             cache = self._cache
             if cache is None:
                 if self._cached:
-                    raise CacheLengthError(f"{where}: the state expects a cache of {self._cached} tokens but has none")
+                    raise CacheLengthError(f"{where}: the state expects a cache of {counted(self._cached, 'token')} but has none")
                 return
         else:
             cache = _cache_of(cache, where)
@@ -347,12 +347,12 @@ class DecodeState:
         held, rows = view.length, view.batch
         if rows is not None and rows != batch:
             raise BatchMismatchError(
-                f"{where}: the cache holds {rows} rows, but the state holds {batch}: reorder or select the cache "
+                f"{where}: the cache holds {counted(rows, 'row')}, but the state holds {batch}: reorder or select the cache "
                 f"with the state (DecodeState.reorder)"
             )
         if held is not None and held != length:
             raise CacheLengthError(
-                f"{where}: the cache holds {held} tokens, but the state expected {length}: {hint}. Was the output of "
+                f"{where}: the cache holds {counted(held, 'token')}, but the state expected {length}: {hint}. Was the output of "
                 f"another step, model or state passed?"
             )
 
@@ -368,7 +368,7 @@ def _prompt_mask(attention_mask: Any, ids: torch.Tensor) -> torch.Tensor:
         )
     if mask.shape[0] != ids.shape[0]:
         raise BatchMismatchError(
-            f"{where}: attention_mask has {mask.shape[0]} rows, but input_ids has {ids.shape[0]}"
+            f"{where}: attention_mask has {counted(mask.shape[0], 'row')}, but input_ids has {ids.shape[0]}"
         )
     if mask.shape[1] != ids.shape[1]:
         raise MaskLengthError(

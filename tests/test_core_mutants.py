@@ -189,6 +189,19 @@ def test_a_mask_of_one_column_is_named_in_the_singular():
     assert expected in repair.message
 
 
+def test_one_row_one_token_and_one_new_token_are_named_in_the_singular():
+    """"the cache holds 1 rows", "holds 1 tokens": every count in a message takes its noun's number."""
+    from neofix import BatchMismatchError, CacheLengthError, MaskLengthError
+
+    with pytest.raises(BatchMismatchError, match=r"^the cache holds 1 row, but this step feeds 2: "):
+        align(_step(1, batch=2), _cache(3), LIMITS, Policy())
+    uneven = CacheView(3, 1, (3, 1), None, None, None, "object")
+    with pytest.raises(CacheLengthError, match=r"^cache layer 1 holds 1 token, but layer 0 holds 3: "):
+        align(_step(1), uneven, LIMITS, Policy())
+    with pytest.raises(MaskLengthError, match=r"this step's 1 new token"):
+        align(_step(1, torch.tensor([[0]])), _cache(3), LIMITS, Policy())
+
+
 # -- an IndexError that no value explains -----------------------------------------------------------------------------
 
 

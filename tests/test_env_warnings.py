@@ -16,6 +16,7 @@ VARIABLES = {
     "NEOFIX_MODE": "NEOFIX_MODE='bogus' is not one of",
     "NEOFIX_CHECK_VALUES": "NEOFIX_CHECK_VALUES='bogus' is not a boolean",
     "NEOFIX_TRACE": "NEOFIX_TRACE='bogus' is not a boolean",
+    "NEOFIX_DISABLE": "NEOFIX_DISABLE='bogus' is not a boolean",
 }
 
 

@@ -626,6 +626,22 @@ def test_neofix_disable_not_understood_is_warned_and_patches(registering, monkey
     assert _lifecycle._applied.get("gpt_neo")
 
 
+def test_a_failing_registration_is_a_warning_that_names_every_family(monkeypatch):
+    """``import neofix`` never crashes: a registration that raises is a warning (it named only GPT-Neo, though every
+    family is registered there), saying where to see what was patched."""
+
+    def failing() -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(_lifecycle, "register", failing)
+    with pytest.warns(neofix.NeofixWarning) as caught:
+        neofix._register()
+    assert [str(warning.message) for warning in caught] == [
+        "neofix: registering its patches failed (RuntimeError: boom); the families not patched by then stay unpatched "
+        "(`neofix doctor` lists each patch target's state)"
+    ]
+
+
 def test_register_patches_the_loaded_modules_at_once_and_waits_first_for_the_others(registering, monkeypatch):
     """A loaded family's module is patched as ``import neofix`` registers; one not loaded yet is waited for by a
     finder placed first in ``sys.meta_path``, ahead of every finder that could load it."""

@@ -476,6 +476,9 @@ def test_check_rejects_a_cache_of_another_batch(model):
     other, other_out = prefilled(model, (4, 2, 3))
     with pytest.raises(neofix.BatchMismatchError, match="the cache holds 3 rows, but the state holds 2"):
         state.check(other_out)
+    one, one_out = prefilled(model, (4,))
+    with pytest.raises(neofix.BatchMismatchError, match="the cache holds 1 row, but the state holds 2: reorder"):
+        state.check(one_out)
 
 
 # -- bad input: each gets a clear error ------------------------------------------------------------------------------
@@ -516,7 +519,7 @@ def test_bad_prompt(ids, mask, error, message):
         (torch.tensor([1, 2]), torch.tensor([0, 1]), TypeError, "finished must be a bool tensor"),
         (torch.tensor([1, 2]), [True, False], TypeError, "finished must be a torch.Tensor"),
         (torch.tensor([1, 2]), torch.tensor([[True, False]]), neofix.InputShapeError, r"finished has shape \(1, 2\)"),
-        (torch.tensor([1, 2]), torch.tensor([True]), neofix.BatchMismatchError, "finished has 1 rows"),
+        (torch.tensor([1, 2]), torch.tensor([True]), neofix.BatchMismatchError, "finished has 1 row, but the state holds 2$"),
     ],
 )
 def test_bad_advance_tokens(model, tokens, finished, error, message):
@@ -590,7 +593,7 @@ def test_advance_with_another_batch(model):
     "index, error, message",
     [
         ([1, 0], TypeError, "beam_idx must be a torch.Tensor"),
-        (torch.tensor([1.0, 0.0]), TypeError, "beam_idx must hold integer"),
+        (torch.tensor([1.0, 0.0]), TypeError, "beam_idx must hold integer row indices, got dtype torch.float32$"),
         (torch.tensor([[1, 0]]), neofix.InputShapeError, r"shape \(1, 2\); expected a non-empty 1D"),
         (torch.tensor([], dtype=torch.long), neofix.InputShapeError, r"shape \(0,\)"),
         (torch.tensor([0, 2]), neofix.NeofixError, r"beam_idx\[1\] is 2, but the state holds 2 rows \(valid indices: 0 to 1\)"),

@@ -34,6 +34,7 @@ from .._errors import (
     PositionError,
     SequenceTooLongError,
     TokenIdError,
+    counted,
 )
 from ._types import (
     CACHE_POSITION_DROPPED,
@@ -68,18 +69,6 @@ from ._values import (
 )
 
 FIX_MASK = "append a column of ones per new token (torch.cat([mask, mask.new_ones(batch, new_tokens)], -1))"
-
-def tokens(count: int) -> str:
-    return "1 new token" if count == 1 else f"{count} new tokens"
-
-
-def counted(count: Any, thing: str) -> str:
-    return f"{count} {thing}" if count == 1 else f"{count} {thing}s"
-
-
-def rows(count: int) -> str:
-    return f"{count} row{'s' if count != 1 else ''}"
-
 
 def align(
     step: StepInputs, cache: CacheView, limits: Limits, policy: Policy = Policy(), facts: Facts | None = None
@@ -254,7 +243,7 @@ def cache_problem(cache: CacheView, batch: int, new: int, limits: Limits) -> Neo
     max_positions, _, _, model_heads, model_head_dim, _ = limits
     if rows is not None and rows != batch:
         return BatchMismatchError(
-            f"the cache holds {rows} rows, but this step feeds {batch}: the cache, attention_mask and "
+            f"the cache holds {counted(rows, 'row')}, but this step feeds {batch}: the cache, attention_mask and "
             f"inputs must hold the same rows (reorder or select the cache with the inputs, e.g. after beam search)"
         )
     if heads is not None and model_heads is not None and (heads != model_heads or head_dim != model_head_dim):
@@ -280,7 +269,7 @@ def raise_cache_length_error(layer: Any, held: int, expected: int) -> None:
 
 def cache_length_error(layer: Any, held: int, expected: int) -> CacheLengthError:
     return CacheLengthError(
-        f"cache layer {layer} holds {held} tokens, but layer 0 holds {expected}: every layer of the cache must hold "
+        f"cache layer {layer} holds {counted(held, 'token')}, but layer 0 holds {expected}: every layer of the cache must hold "
         f"the same tokens (was it built for another model, or cropped or edited per layer?). Crop every layer to "
         f"the same length, or rebuild the cache by running the whole sequence again"
     )
@@ -340,10 +329,10 @@ def _align_padding_mask(
         raise MaskLengthError(
             f"{expected}. It cannot be told which tokens it covers: "
             + (
-                f"as wide as this step's {tokens(new)}, it may be their mask alone (a chunk's own mask), or the "
+                f"as wide as this step's {counted(new, 'new token')}, it may be their mask alone (a chunk's own mask), or the "
                 f"mask of the first {columns} cached tokens not extended since"
                 if columns == new
-                else f"it covers the {past} cached tokens and only some of the {tokens(new)}"
+                else f"it covers the {past} cached tokens and only some of the {counted(new, 'new token')}"
             )
             + ". Pass the mask of exactly the cached plus the new tokens (torch.cat([mask_so_far, new_mask], -1))"
         )
@@ -364,7 +353,7 @@ def mask_rows_problem(given: int, batch: int) -> NeofixError | None:
     if given == batch:
         return None
     return BatchMismatchError(
-        f"attention_mask has {rows(given)}, but this step feeds {batch}: pass one mask row per input row"
+        f"attention_mask has {counted(given, 'row')}, but this step feeds {batch}: pass one mask row per input row"
     )
 
 
@@ -397,7 +386,7 @@ def _check_model_mask(mask: Any, dims: int, batch: int, new: int, cache: CacheVi
     """Refuse a 3D or 4D mask of other rows or columns than the step's (it is used as given, never repaired)."""
     if mask.shape[0] not in (1, batch):
         raise BatchMismatchError(
-            f"the {dims}D attention_mask has {rows(mask.shape[0])}, but this step feeds {batch}: pass one mask "
+            f"the {dims}D attention_mask has {counted(mask.shape[0], 'row')}, but this step feeds {batch}: pass one mask "
             f"row per input row (or one for all)"
         )
     keys = mask.shape[-1]
@@ -428,11 +417,11 @@ def align_side_inputs(
             repairs.append(Repair(TOKEN_TYPES_SLICED, ""))
         else:
             raise InputShapeError(
-                f"token_type_ids has {token_types.shape[-1]} columns, but this step feeds {tokens(new)}: pass the new "
+                f"token_type_ids has {token_types.shape[-1]} columns, but this step feeds {counted(new, 'new token')}: pass the new "
                 f"tokens' types only"
             )
     if cache_position is not None and cache_position.shape[-1] != new:
-        described = f"cache_position has {cache_position.shape[-1]} entries, but this step feeds {tokens(new)}"
+        described = f"cache_position has {cache_position.shape[-1]} entries, but this step feeds {counted(new, 'new token')}"
         if strict:
             raise PositionError(f"{described}: pass cache_position for the new tokens only, or leave it out")
         cache_position = None  # the model recomputes it from the cache length
@@ -472,7 +461,7 @@ def align_positions(
     length = shape[-1]
     if length == new:
         return positions, True
-    described = f"position_ids has {length} columns, but this step feeds {tokens(new)} (the cache holds {past})"
+    described = f"position_ids has {length} columns, but this step feeds {counted(new, 'new token')} (the cache holds {past})"
     if strict:
         raise PositionError(f"{described}: {FIX_POSITIONS}")
     if total is not None and length == total:
@@ -531,7 +520,7 @@ def positions_problem(shape: Any, dtype: Any, batch: int) -> NeofixError | None:
     given_rows = shape[0] if dims == 2 else 1
     if given_rows not in (1, batch):
         return BatchMismatchError(
-            f"position_ids has {rows(given_rows)}, but this step feeds {batch}: pass one row per input row (or one row "
+            f"position_ids has {counted(given_rows, 'row')}, but this step feeds {batch}: pass one row per input row (or one row "
             f"for all)"
         )
     return None

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._errors import MaskValueError, PositionError, SequenceTooLongError, TokenIdError
+from .._errors import MaskValueError, PositionError, SequenceTooLongError, TokenIdError, counted
 from . import _reads
 from ._reads import Facts, Question, step_truth
 from ._types import (
@@ -287,7 +287,7 @@ def sequence_too_long(
         reach = f"look up position {highest} (each row's positions count its real tokens)"
     fit = max(max_positions - (highest + 1 - new), 0)
     error = SequenceTooLongError(
-        f"this step would {reach} (the cache holds {past} tokens and the step feeds {new}), but "
+        f"this step would {reach} (the cache holds {counted(past, 'token')} and the step feeds {new}), but "
         f"config.max_position_embeddings is {max_positions}: {fit} more new token{' fits' if fit == 1 else 's fit'}; "
         f"shorten the prompt or generate fewer tokens{why}"
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from neofix import MaskLengthError
 from neofix._core import CacheView, Limits, Policy, StepInputs, align, explain_index_error
 from neofix._core._reads import Question, read_on_device, read_on_host, reader_for
 
@@ -176,6 +177,16 @@ def test_a_model_mask_of_the_steps_shape_is_used_as_given(dims):
     mask = torch.zeros(shape)
     aligned = align(_step(2, mask), _cache(3), LIMITS, Policy())
     assert aligned.attention_mask is mask and aligned.repairs == ()
+
+
+def test_a_model_mask_over_sliding_window_slots_is_used_as_given_whatever_its_width():
+    """A static cache of sliding-window layers (no capacity given: the family's ``read_window_cache``): its 4D mask
+    spans the window's slots or the prompt's keys, the layer's business; only its query rows are checked."""
+    sliding = CacheView(0, None, None, None, None, None, "static")
+    mask = torch.zeros(1, 1, 3, 8)
+    assert align(_step(3, mask), sliding, LIMITS, Policy()).attention_mask is mask
+    with pytest.raises(MaskLengthError, match=r"needs 2 rows of queries .* and the columns its sliding-window cache"):
+        align(_step(2, mask), sliding, LIMITS, Policy())
 
 
 # -- words ---------------------------------------------------------------------------------------------------------

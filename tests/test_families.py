@@ -515,6 +515,37 @@ class Logits(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=False)[0]
 
 
+FLAT = torch.tensor([5, 17, 33, 41])
+FLAT_CALLS = {  # (1D input_ids, the same as one row)
+    "4 tokens": (lambda m: m(FLAT).logits, lambda m: m(FLAT[None]).logits),
+    "1 token": (lambda m: m(FLAT[:1]).logits, lambda m: m(FLAT[None, :1]).logits),
+    "2 after a cache": (
+        lambda m: m(FLAT[2:], past_key_values=m(FLAT[None, :2], use_cache=True).past_key_values).logits,
+        lambda m: m(FLAT[None, 2:], past_key_values=m(FLAT[None, :2], use_cache=True).past_key_values).logits,
+    ),
+}
+
+
+@pytest.mark.parametrize("pad", [None, 0], ids=["no pad_token_id", "pad_token_id 0"])
+@pytest.mark.parametrize("call", sorted(FLAT_CALLS))
+def test_one_dimensional_input_ids_run_wherever_vanilla_reads_them_as_one_row(family, call, pad):
+    """1D ``input_ids``: where vanilla computes what the same ids as one row compute, so does neofix (GPT-J and
+    CodeGen 4.36 - 4.44, OPT 4.26 - 4.27's one token were refused with ``InputShapeError``); where vanilla fails or
+    computes something else, neofix's error or vanilla's own."""
+    flat, row = FLAT_CALLS[call]
+    model = tiny_model(family, pad_token_id=pad)
+    patched, plain = both(model, lambda m: run(lambda: flat(m))[0])
+    with neofix.unpatched():
+        expected = run(lambda: row(model))[0]
+    if isinstance(plain, torch.Tensor) and plain.numel() == expected.numel() and torch.equal(
+        plain.reshape(expected.shape), expected
+    ):
+        assert isinstance(patched, torch.Tensor), patched
+        assert torch.equal(patched, plain)
+    else:
+        assert isinstance(patched, Exception) or not isinstance(plain, torch.Tensor) or torch.equal(patched, plain)
+
+
 def assert_same_outcome(patched, plain):
     """The same tensor, or (where vanilla cannot trace or export a family on a release) the same error."""
     if isinstance(plain, Exception):
@@ -640,15 +671,18 @@ def test_trace_records_every_generate_step(lm32):
     assert steps[-1].real_tokens == (8, 5)
 
 
-def test_static_cache_generate_is_identical_to_vanilla(family):
+@pytest.mark.parametrize("lengths", [[6, 3], [3, 2]], ids=["prompt past the window", "prompt inside the window"])
+def test_static_cache_generate_is_identical_to_vanilla(family, lengths):
     """``generate`` with a static cache (BLOOM: a mask padded to the cache's capacity; Llama 4.38 - 4.40: a cache set
     on every attention layer, the forward given none): vanilla's tokens, or where the family cannot decode with one on
     this release, vanilla's error.  A model of its own: on 4.38 - 4.40 such a generate leaves every attention layer a
-    ``past_key_value`` of None, after which the model returns no cache (vanilla too)."""
+    ``past_key_value`` of None, after which the model returns no cache (vanilla too).  Sliding-window layers (Mistral's
+    window of 4) make a static cache of the window's slots, whose 4D mask at the prefill spans those slots or the
+    prompt's own keys: it was refused on 4.57 (every prompt) and on 5.x (a prompt inside the window)."""
     if family == "gpt_neo":
         pytest.skip("GPT-Neo's local layers: neofix refuses a static cache wider than the window")
     model = tiny_model(family, seed=0, dtype=torch.float32)
-    ids, mask = left_padded_batch([6, 3], seed=2)
+    ids, mask = left_padded_batch(lengths, seed=2)
     patched, plain = both(
         model, lambda m: run(lambda: generate(m, ids, mask, do_sample=False, cache_implementation="static"))[0]
     )

@@ -393,6 +393,9 @@ def _check_model_mask(mask: Any, dims: int, batch: int, new: int, cache: CacheVi
     if cache.capacity is not None:  # the keys span every slot (a mask of the tokens so far runs on no release)
         fits = keys == cache.capacity
         needs = f"{cache.capacity} columns, one per slot of the static cache"
+    elif cache.layout == "static":  # sliding-window layers' slots: the width is the layer's (see read_window_cache)
+        fits = True
+        needs = "the columns its sliding-window cache layers take"
     else:
         fits = total is None or keys == total
         needs = f"{total} columns, one per cached and new token (the cache holds {cache.length})"

@@ -49,6 +49,7 @@ ADAPTER = Adapter(
     # transformers builds for it: no check of its own.
     # Legacy tuple caches fail from 4.54 ('tuple' object has no attribute 'get_seq_length'; 4.53 converts them)
     legacy_cache_rejected=_compat.release() >= (4, 54),
-    # up to 4.30 1D input_ids are read as one row; 4.36 fails on them (kept up to 4.35: transformers' error surfaces)
-    flat_input_ids_accepted=_compat.release() < (4, 36),
+    # up to 4.44 1D input_ids are read as one row (4.36 - 4.44 fail on them with an IndexError where
+    # config.pad_token_id is set and no mask is given: transformers' own, passed on); 4.45 fails on every one
+    flat_input_ids_accepted=_compat.release() < (4, 45),
 )

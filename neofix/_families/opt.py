@@ -61,6 +61,8 @@ ADAPTER = Adapter(
     limits=make_limits(table=None, width="hidden_size", heads="num_attention_heads"),
     layers=make_layers("layers"),  # OPTDecoder's blocks
     legacy_cache_rejected=_compat.release() >= (4, 54),  # measured: 4.53 converts tuples, 4.54 fails
-    flat_input_ids_accepted=_compat.release() >= (4, 53),  # 4.48 and earlier fail on 1D input_ids
+    # 1D input_ids: 4.26 - 4.27 read a one-token one as one row (longer ones fail inside: transformers' own error,
+    # passed on), 4.28 - 4.48 fail on every one, 4.53 reads them as one row
+    flat_input_ids_accepted=_compat.release() < (4, 28) or _compat.release() >= (4, 53),
     explain_overflow=explain_overflow,
 )

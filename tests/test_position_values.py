@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import neofix
-from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo
+from neofix.testing import reference_greedy, reference_positions, tiny_gpt_neo, tiny_model
 
 from ._sync import read_values_on
 from ._versions import cache_keyword, has, output_cache
@@ -338,6 +338,32 @@ def test_a_batch_of_left_and_right_padded_rows_keeps_each_as_it_computes_alone(p
     assert not torch.allclose(vanilla[0, 2:], alone[0])  # (which vanilla's positions, counting the pads, are not)
     warned = said(caught)
     assert len(warned) == 1 and warned[0].startswith("neofix: row 0 of this forward is left-padded")
+
+
+@pytest.mark.parametrize(
+    "row, described",
+    [
+        ([1, 1, 0, 1, 1, 1], "has a pad between its real tokens (a gap in its mask)"),
+        ([1, 0, 1, 1, 0, 0], "has a pad between its real tokens (a gap in its mask)"),
+        ([0, 1, 0, 1, 1, 1], "has a pad between its real tokens (a gap in its mask)"),
+        ([0, 0, 0, 1, 1, 1], "is left-padded"),
+    ],
+)
+def test_a_gap_in_the_mask_is_said_as_a_gap(row, described):
+    """A row whose pads sit between real tokens gets the mask's positions as a left-padded row does (with global
+    attention, GPT-2's, its real tokens then compute what they compute alone: GPT-Neo's local window counts columns,
+    the gap's too); the warning said "is left-padded" of it, which it is not."""
+    model = tiny_model("gpt2", dtype=torch.float64)
+    mask = torch.tensor([[1] * 6, row])
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    real = [index for index, flag in enumerate(row) if flag]
+    with torch.no_grad():
+        alone = model(input_ids=ids[1:, real]).logits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            logits = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits[1, real], alone[0])
+    assert len(said(caught)) == 1 and said(caught)[0].startswith(f"neofix: row 1 of this forward {described} and no")
 
 
 @pytest.mark.parametrize("dtype", [torch.long, torch.bool, torch.float32])

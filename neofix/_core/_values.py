@@ -397,13 +397,18 @@ def mask_positions(mask: torch.Tensor, new: int, past: int | None, cache_positio
 
 def _from_mask_message(mask: torch.Tensor) -> str:
     row = int((mask[:, 1:].long() > mask[:, :-1].long()).any(-1).nonzero()[0, 0])  # once per process: a read is fine
+    values = [bool(value) for value in mask[row].tolist()]  # (the row has a real token: its pads come before one)
+    first, last = values.index(True), len(values) - 1 - values[::-1].index(True)
+    gap = False in values[first:last]  # a pad between two real tokens
+    padded = "has a pad between its real tokens (a gap in its mask)" if gap else "is left-padded"
     return (
-        f"neofix: row {row} of this forward is left-padded and no position_ids were given: neofix gave its real tokens "
-        f"positions from the attention mask (0, 1, 2, ... from the first real token) instead of transformers' own, "
-        f"which count the padding, so that a padded row computes what it computes alone (and decodes as it would "
-        f"alone). Logits and losses of left-padded rows therefore differ from an unpatched run. To choose positions "
-        f"yourself pass position_ids; neofix.configure(uncached_positions='transformers') keeps transformers' own "
-        f"for every forward without a cache. Reported once."
+        f"neofix: row {row} of this forward {padded} and no position_ids were given: neofix gave its real tokens "
+        f"positions from the attention mask (each one's: the number of real tokens before it) instead of "
+        f"transformers' own, which count the pads, so that its real tokens sit at the positions they have alone (a "
+        f"left-padded row computes and decodes as it would alone). Logits and losses of such rows therefore differ "
+        f"from an unpatched run. "
+        f"To choose positions yourself pass position_ids; neofix.configure(uncached_positions='transformers') keeps "
+        f"transformers' own for every forward without a cache. Reported once."
     )
 
 

@@ -313,7 +313,7 @@ CASES = {
     "float position_ids": case(
         prefill(input_ids=ones(2, 5), attention_mask=ones(2, 5), position_ids=torch.arange(5.0).repeat(2, 1)),
         neofix.PositionError,
-        [r"position_ids has dtype torch.float32", r"positions are integers", r"pass torch.long positions"],
+        [r"position_ids has dtype torch.float32", r"positions are integers \(each token.s index in its sequence\)", r"pass torch.long positions"],
     ),
     "float input_ids": case(
         prefill(input_ids=ones(2, 5).float(), attention_mask=ones(2, 5)),

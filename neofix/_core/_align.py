@@ -517,8 +517,8 @@ def positions_problem(shape: Any, dtype: Any, batch: int) -> NeofixError | None:
         return PositionError(f"position_ids has shape {tuple(shape)}; expected (batch, new_tokens)")
     if not is_integer(dtype):
         return PositionError(
-            f"position_ids has dtype {dtype}, but positions are integers (indices into the position "
-            f"table): pass torch.long positions, e.g. (mask.long().cumsum(-1) - 1).clamp(min=0)"
+            f"position_ids has dtype {dtype}, but positions are integers (each token's index in its sequence): "
+            f"pass torch.long positions, e.g. (mask.long().cumsum(-1) - 1).clamp(min=0)"
         )
     given_rows = shape[0] if dims == 2 else 1
     if given_rows not in (1, batch):

@@ -12,8 +12,14 @@ ones; measured on 4.45, 4.57 and 5.24 with ``neofix.testing.tiny_model("gemma2")
   4.48: read in the 4.48.3 source).  Measured on 4.45: ``generate`` of a left-padded batch gives the padded rows
   wrong tokens from the first cached step on (float32).  :func:`check_step` refuses such a prefill into a
   ``HybridCache`` there, before anything is computed (generate's, or one a hand loop passes).
-* Not covered (measured on 4.45, the same PR): an unpadded prompt shorter than the window, decoded past the window
-  with a ``HybridCache``, gives every row wrong tokens from the first token fed past the window.  Telling that step
+* Up to 4.52 the sliding-window layers read a growing cache (a ``DynamicCache`` or tuples a hand loop passes) that
+  would hold more tokens than the window wrong: 4.45 - 4.47 give wrong tokens from the first such step, without an
+  error, and 4.48 - 4.52 fail inside attention on shapes (measured on each, eager and sdpa; right from 4.53).
+  :func:`check_past_window` refuses that step with ``AttentionWindowError`` before anything runs (Gemma3's 4.50 -
+  4.52 too).
+* Not covered (measured on 4.45 and 4.47 - 4.52: wrong on 4.45 - 4.51, right from 4.52): an unpadded prompt
+  shorter than the window, decoded past the window with a ``HybridCache`` (``generate``'s), gives every row wrong
+  tokens from the first token fed past the window.  Telling that step
   apart needs the step's position, which only a value read or per-cache state would give.
 """
 
@@ -25,16 +31,51 @@ import torch
 
 from .. import _compat
 from .._core import CacheView, Positions
-from .._errors import MaskValueError
+from .._errors import AttentionWindowError, MaskValueError
 from . import GEMMA2
 from ._contract import Adapter, make_layers, no_check, read_window_cache
 from .llama import limits
 
 #: transformers' HybridCache decodes left-padded rows wrong before 4.48 (PR 35681)
 HYBRID_CACHE_MISREADS_LEFT_PADDING = _compat.release() < (4, 48)
+#: the sliding-window layers read a growing cache of more tokens than the window wrong before 4.53
+GROWING_CACHE_MISREAD_PAST_WINDOW = _compat.release() < (4, 53)
 
 
 def check_step(model: Any, cache: CacheView, call: dict) -> None:
+    """The checks of this release (installed only where one applies: nothing from 4.53)."""
+    check_past_window(model, cache, call)
+    if HYBRID_CACHE_MISREADS_LEFT_PADDING:
+        check_hybrid_prefill(model, cache, call)
+
+
+def check_past_window(model: Any, cache: CacheView, call: dict) -> None:
+    """Refuse a step over a growing cache (``DynamicCache``, tuples) whose cached and new tokens would pass
+    ``config.sliding_window``, where the release's sliding-window layers read it wrong (up to 4.52)."""
+    past, window = cache.length, getattr(model.config, "sliding_window", None)
+    if cache.layout not in ("object", "legacy") or not past or not isinstance(window, int):
+        return
+    first = call.get("input_ids")
+    if first is None:
+        first = call.get("inputs_embeds")
+    if first is None or first.dim() < 2 or past + first.shape[1] <= window:
+        return
+    release = _compat.transformers_version()
+    outcome = "wrong tokens, without an error" if _compat.release() < (4, 48) else "a size error inside attention"
+    raise AttentionWindowError(
+        f"this step attends over {past + first.shape[1]} tokens (the cache holds {past}), past the sliding window of "
+        f"{window} (config.sliding_window), and on transformers {release} the sliding-window layers read a "
+        f"{type(_cache_of(call)).__name__} that holds more than the window wrong ({outcome}; right from 4.53). Decode "
+        f"with generate(), or pass a HybridCache with room for the whole sequence (max_cache_len) from the first step, "
+        f"or upgrade transformers to 4.53 or later"
+    )
+
+
+def _cache_of(call: dict) -> Any:
+    return call.get("past_key_values", call.get("cache"))
+
+
+def check_hybrid_prefill(model: Any, cache: CacheView, call: dict) -> None:
     """Refuse, where the release's ``HybridCache`` misreads left padding, a prefill of left-padded rows into one (the
     cache ``generate`` makes for Gemma2, or one a hand loop passes): its first token would be right, later ones of a
     padded row wrong (measured in float32; float64 happens to survive).  Read on prefills only (the cache's own length
@@ -75,6 +116,6 @@ ADAPTER = Adapter(
     limits=limits,
     layers=make_layers("layers"),
     read_cache=read_window_cache,
-    check_step=check_step if HYBRID_CACHE_MISREADS_LEFT_PADDING else no_check,
+    check_step=check_step if GROWING_CACHE_MISREAD_PAST_WINDOW else no_check,
     legacy_cache_rejected=_compat.release() >= (4, 48),
 )

@@ -28,8 +28,8 @@ DOCTOR_DESCRIPTION = f"""\
 Check that neofix works with the torch and transformers installed here.
 
 It prints the Python, torch, transformers and neofix versions, whether this transformers
-release is inside the range neofix is tested against, and each place in the nine
-families' modeling code that neofix patches, with its state (patched / missing /
+release is inside the range neofix is tested against, and each place in every
+family's modeling code that neofix patches, with its state (patched / missing /
 skipped) and why. It also warns when the unrelated distribution named `neofix` is
 installed here (it shares the import name) and says how to repair that.
 

@@ -34,19 +34,25 @@ class NeofixError(ValueError):
 
 
 class MaskLengthError(NeofixError):
-    """The attention mask does not cover exactly the cached plus the new tokens."""
+    """The attention mask's width cannot be told apart: a 2D mask longer than the cached plus the new tokens whose
+    readings differ (one whose readings agree, such as all ones, is sliced), or shorter (in strict mode; repaired
+    otherwise); a 3D or 4D mask of another shape than the step's; a ``DecodeState`` prompt mask of another width than
+    its ``input_ids``."""
 
 
 class MaskValueError(NeofixError):
-    """The 2D attention mask holds values other than 0 (padding) and 1 (a real token)."""
+    """The 2D attention mask holds values other than 0 (padding) and 1 (a real token); in strict mode, also decoding
+    from the cache of a right-padded prompt."""
 
 
 class BatchMismatchError(NeofixError):
-    """The attention mask, position ids or cache hold a different batch size than the inputs."""
+    """The attention mask, position ids or cache hold a different batch size than the inputs (in ``DecodeState``:
+    than the state, its ``tokens`` and ``finished`` too)."""
 
 
 class PositionError(NeofixError):
-    """The position ids do not fit the step (length or, with ``check_values=True``, values)."""
+    """The position ids cannot be used: not 1D or 2D integers, or a value outside the position table; in strict
+    mode also a length other than the new tokens' or values other than the mask's (repaired otherwise)."""
 
 
 class SequenceTooLongError(NeofixError):
@@ -54,11 +60,13 @@ class SequenceTooLongError(NeofixError):
 
 
 class TokenIdError(NeofixError):
-    """A token id lies outside ``[0, config.vocab_size)``."""
+    """A token id (in ``input_ids`` or ``token_type_ids``) lies outside ``[0, config.vocab_size)``, or the ids are
+    not integers."""
 
 
 class CacheLengthError(NeofixError):
-    """The layers of the KV cache hold different numbers of tokens."""
+    """The layers of the KV cache hold different numbers of tokens, or fewer layers than the model has, or a mask
+    wider than a static cache's slots; in ``DecodeState``, a cache that does not hold the tokens the state expects."""
 
 
 class InputShapeError(NeofixError):
@@ -66,14 +74,17 @@ class InputShapeError(NeofixError):
 
 
 class AttentionWindowError(NeofixError):
-    """GPT-Neo's local attention window would be applied wrong and neofix cannot repair it: flash-attention-2 (no
-    window at all), or a static cache of more slots than the window where the repair does not run (flash-attention-2,
-    a fixed-capacity cache whose slots are not the tokens' positions).  A ``StaticCache`` with the eager attention on
-    transformers 4.45 and later is repaired, not refused."""
+    """A local or sliding attention window would be applied wrong and neofix cannot repair it: GPT-Neo's local layers
+    with flash-attention-2 (no window at all), or a static cache of more slots than the window where the repair does
+    not run (a fixed-capacity cache whose slots are not the tokens' positions); Gemma2's and Gemma3's sliding-window
+    layers over a growing cache past the window, up to transformers 4.52.  A ``StaticCache`` with the eager attention
+    on transformers 4.45 and later is repaired, not refused."""
 
 
 class NeofixWarning(UserWarning):
-    """neofix repaired a decoding step.  Each kind of repair is reported once per process."""
+    """neofix repaired a decoding step (each kind of repair reported once per process), or has something to say about
+    the environment: decoding from a right-padded prompt, an unsupported transformers, a patch target missing, an
+    environment variable it does not understand, the unrelated ``neofix`` distribution installed alongside."""
 
 
 # tracebacks and reprs name the public path (neofix.MaskLengthError), where users import them from

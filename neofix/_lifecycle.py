@@ -51,7 +51,9 @@ _built: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
 
 def is_patched() -> bool:
-    """True while neofix's wrappers are installed."""
+    """True while neofix's wrappers are installed on at least one family's classes.  Right after ``import neofix``
+    it is False until transformers loads a family's modeling module (loading it fires neofix's import hook, which
+    patches it); ``neofix doctor`` lists each patch target's state."""
     return any(_applied.values())
 
 
@@ -63,8 +65,10 @@ def patch(families: Any = None) -> bool:
     default: those ``NEOFIX_FAMILIES`` names, else every family.  Families not named are left alone (and a family
     patched before stays patched: ``unpatch()`` removes them all).
 
-    Returns True when this call installed the patch, False when it was already installed or could not be (an
-    unsupported transformers, or none: a :class:`~neofix.NeofixWarning` says which).  Idempotent.
+    Returns True when this call installed a family's wrappers, False when it installed none: every family named was
+    patched already, or its modeling module is not loaded yet (its import hook patches it when transformers loads
+    it), or it could not be patched (an unsupported transformers, or none: a :class:`~neofix.NeofixWarning` says
+    which).  Idempotent.
     """
     global _hooks_enabled, _enabled
     chosen = _chosen(families, "neofix.patch(families=...)") if families is not None else _enabled

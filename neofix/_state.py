@@ -214,7 +214,17 @@ class DecodeState:
         return f"DecodeState(batch={batch}, tokens={length}, cached={self._cached})"
 
     def model_inputs(self) -> dict[str, Any]:
-        """The keyword arguments of the next forward: ``model(**state.model_inputs())``."""
+        """The keyword arguments of the next forward: ``model(**state.model_inputs())``.  Asked again before
+        :meth:`advance`, it checks that no forward ran on the inputs it handed out last (a forward updates a cache
+        object in place: :class:`~neofix.CacheLengthError`, before a step that would feed a token twice)."""
+        if self._awaiting and self._cache is not None:
+            held = _caches.read(self._cache, 1).length
+            if held is not None and held != self._cached:
+                raise CacheLengthError(
+                    f"DecodeState.model_inputs: the state's cache holds {counted(held, 'token')}, but the state has fed "
+                    f"{self._cached}: a forward already ran on the inputs handed out last and updated the cache. Pass "
+                    f"its output to advance() before asking for the next inputs"
+                )
         new = self._sequences.shape[1] - self._cached
         inputs: dict[str, Any] = {
             "input_ids": self._sequences[:, self._cached :],

@@ -480,7 +480,7 @@ def make_generate(original: Any, _adapter: Any) -> Callable[..., Any]:
         try:
             return original(self, *args, **kwargs)
         except SequenceTooLongError as exc:
-            raise _in_generate_terms(exc, length) from None
+            raise _in_generate_terms(exc, length, kwargs.get("attention_mask")) from None
         finally:
             _GENERATING.reset(token)
 
@@ -497,18 +497,29 @@ def _prompt_length(args: tuple, kwargs: dict) -> int | None:
     return int(prompt.shape[-1])
 
 
-def _in_generate_terms(exc: SequenceTooLongError, prompt: int) -> SequenceTooLongError:
-    """The model forward's overflow error, retold for a generate call with a ``prompt``-token prompt."""
+def _in_generate_terms(exc: SequenceTooLongError, prompt: int, mask: Any = None) -> SequenceTooLongError:
+    """The model forward's overflow error, retold for a generate call with a ``prompt``-token prompt (its ``mask``:
+    where the attention bounds the columns, a padded prompt's pads count, and the message says columns)."""
     past, total, limit = getattr(exc, "past", None), getattr(exc, "total", None), getattr(exc, "max_positions", None)
     if past is None or total is None or limit is None or getattr(exc, "in_generate", False) or past < prompt:
         return exc
     generated = past - prompt + 1  # the step feeds back the token generated last
     fit = max(limit - (total - generated) + 1, 0)  # (total - generated: the prompt's positions, its real tokens')
+    fed = f"feeding {'it' if generated == 1 else 'the last one'} back"
+    if getattr(exc, "columns", False) and isinstance(mask, torch.Tensor) and not bool(mask.all()):  # (an error: a read)
+        needs = (
+            f"{fed} would make the sequence {total} columns long, but this model's attention holds at most "
+            f"config.max_position_embeddings = {limit} columns, the prompt's padding included"
+        )
+    else:
+        needs = (
+            f"{fed} would need position {total - 1}, but config.max_position_embeddings is {limit} (positions 0 to "
+            f"{limit - 1})"
+        )
     told = SequenceTooLongError(
         f"generate produced {generated} new token{'s' if generated != 1 else ''} after the {prompt}-token prompt, "
-        f"and feeding {'it' if generated == 1 else 'the last one'} back would need position {total - 1}, but "
-        f"config.max_position_embeddings is {limit} (positions 0 to {limit - 1}): at most {fit} new tokens fit "
-        f"after this prompt. Pass max_new_tokens={fit} or fewer (generate stopped before this step's compute)"
+        f"and {needs}: at most {fit} new tokens fit after this prompt. Pass max_new_tokens={fit} or fewer (generate "
+        f"stopped before this step's compute)"
     )
     told.past, told.total, told.max_positions, told.in_generate = past, total, limit, True
     return told

@@ -137,6 +137,27 @@ def test_overflow_is_reported_at_the_step_that_would_pass_the_table(model, promp
     assert "at most 7 new tokens fit after this prompt. Pass max_new_tokens=7 or fewer" in message
 
 
+def test_an_overflow_after_a_padded_prompt_counts_its_columns(model, prompt):
+    """GPT-Neo's attention holds at most ``max_position_embeddings`` columns, pads included: after a left-padded
+    prompt the step that overflows is told in columns (it said "would need position 64", a position no real token of
+    the row reaches), with the same fit."""
+    padded, mask = prompt.clone(), torch.ones_like(prompt)
+    padded[:, :5], mask[:, :5] = 0, 0
+    with torch.no_grad():
+        fitting = model.generate(padded, attention_mask=mask, max_new_tokens=7, eos_token_id=None, do_sample=False,
+                                 pad_token_id=0)
+    never = next(token for token in range(1, 96) if token not in fitting[0, PROMPT:].tolist())
+    with pytest.raises(neofix.SequenceTooLongError) as raised, torch.no_grad():
+        model.generate(padded, attention_mask=mask, max_new_tokens=10, eos_token_id=never, do_sample=False,
+                       pad_token_id=0)
+    assert str(raised.value) == (
+        "generate produced 7 new tokens after the 58-token prompt, and feeding the last one back would make the "
+        "sequence 65 columns long, but this model's attention holds at most config.max_position_embeddings = 64 "
+        "columns, the prompt's padding included: at most 7 new tokens fit after this prompt. Pass max_new_tokens=7 or "
+        "fewer (generate stopped before this step's compute)"
+    )
+
+
 def test_no_eos_runs_to_max_length_and_is_refused_up_front(model, prompt):
     call = lambda: model.generate(prompt, max_new_tokens=10, eos_token_id=None, do_sample=False, pad_token_id=0)  # noqa: E731
     (patched, steps), (plain, plain_steps) = both(model, call)

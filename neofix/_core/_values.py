@@ -280,7 +280,8 @@ def sequence_too_long(
 ) -> SequenceTooLongError:
     """The error for a step past the position table: its tokens (``highest`` ``None``) or, where only positions are
     bounded, the ``highest`` position it would look up; ``why``: a family's reason, said last."""
-    if highest is None:
+    columns = highest is None  # (the sequence's columns are bounded, not only its positions)
+    if columns:
         reach = f"reach sequence length {past + new}"
         highest = past + new - 1
     else:
@@ -291,7 +292,7 @@ def sequence_too_long(
         f"config.max_position_embeddings is {max_positions}: {fit} more new token{' fits' if fit == 1 else 's fit'}; "
         f"shorten the prompt or generate fewer tokens{why}"
     )
-    error.past, error.total, error.max_positions = past, highest + 1, max_positions
+    error.past, error.total, error.max_positions, error.columns = past, highest + 1, max_positions, columns
     return error
 
 

@@ -217,14 +217,12 @@ class DecodeState:
         """The keyword arguments of the next forward: ``model(**state.model_inputs())``.  Asked again before
         :meth:`advance`, it checks that no forward ran on the inputs it handed out last (a forward updates a cache
         object in place: :class:`~neofix.CacheLengthError`, before a step that would feed a token twice)."""
-        if self._awaiting and self._cache is not None:
-            held = _caches.read(self._cache, 1).length
-            if held is not None and held != self._cached:
-                raise CacheLengthError(
-                    f"DecodeState.model_inputs: the state's cache holds {counted(held, 'token')}, but the state has fed "
-                    f"{self._cached}: a forward already ran on the inputs handed out last and updated the cache. Pass "
-                    f"its output to advance() before asking for the next inputs"
-                )
+        if self._awaiting and self._cache is not None:  # asked again: did a forward update the cache since?
+            self._validate(
+                self._cache, self._cached, self._sequences.shape[0], "DecodeState.model_inputs",
+                "a forward already ran on the inputs handed out last and updated the cache; pass its output to "
+                "advance() before asking for the next inputs",
+            )
         new = self._sequences.shape[1] - self._cached
         inputs: dict[str, Any] = {
             "input_ids": self._sequences[:, self._cached :],
@@ -282,7 +280,7 @@ class DecodeState:
         # taken from it after reorder() (they hold its reordered tensors themselves).
         pending = self._pending if not _already_reordered(cache, self._cache) else None
         expected_batch = self._pending_batch if pending is not None else batch
-        self._validate(cache, length, expected_batch, where, "it must hold every token fed so far")
+        self._validate(cache, length, expected_batch, where, f"it must hold every token fed so far{_ASK}")
         if pending is not None:
             cache = _reorder_cache(cache, pending)
         self._pending = None
@@ -350,7 +348,7 @@ class DecodeState:
         hint = "it must hold every token but the ones model_inputs() feeds next"
         if self._awaiting:
             hint += " (a forward already ran on this state? then pass its output to advance() first)"
-        self._validate(cache, self._cached, self._sequences.shape[0], where, hint)
+        self._validate(cache, self._cached, self._sequences.shape[0], where, hint + _ASK)
 
     def _validate(self, cache: Any, length: int, batch: int, where: str, hint: str) -> None:
         view = _caches.read(cache, 1)
@@ -362,9 +360,12 @@ class DecodeState:
             )
         if held is not None and held != length:
             raise CacheLengthError(
-                f"{where}: the cache holds {counted(held, 'token')}, but the state expected {length}: {hint}. Was the output of "
-                f"another step, model or state passed?"
+                f"{where}: the cache holds {counted(held, 'token')}, but the state expected {length}: {hint}"
             )
+
+
+#: the question every cache-length error of a caller-given cache ends with
+_ASK = ". Was the output of another step, model or state passed?"
 
 
 def _prompt_mask(attention_mask: Any, ids: torch.Tensor) -> torch.Tensor:

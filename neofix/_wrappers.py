@@ -56,6 +56,7 @@ from ._errors import (
     MaskValueError,
     NeofixError,
     SequenceTooLongError,
+    counted,
     warn_once,
 )
 from ._families._contract import Adapter
@@ -517,7 +518,7 @@ def _in_generate_terms(exc: SequenceTooLongError, prompt: int, mask: Any = None)
             f"{limit - 1})"
         )
     told = SequenceTooLongError(
-        f"generate produced {generated} new token{'s' if generated != 1 else ''} after the {prompt}-token prompt, "
+        f"generate produced {counted(generated, 'new token')} after the {prompt}-token prompt, "
         f"and {needs}: at most {fit} new tokens fit after this prompt. Pass max_new_tokens={fit} or fewer (generate "
         f"stopped before this step's compute)"
     )

@@ -486,9 +486,8 @@ def test_inputs_asked_again_after_a_forward_without_advance_are_refused(model):
     with pytest.raises(neofix.CacheLengthError) as raised:
         state.model_inputs()
     assert str(raised.value) == (
-        "DecodeState.model_inputs: the state's cache holds 5 tokens, but the state has fed 4: a forward already ran "
-        "on the inputs handed out last and updated the cache. Pass its output to advance() before asking for the "
-        "next inputs"
+        "DecodeState.model_inputs: the cache holds 5 tokens, but the state expected 4: a forward already ran on the "
+        "inputs handed out last and updated the cache; pass its output to advance() before asking for the next inputs"
     )
     state.advance(out.logits[:, -1].argmax(-1), out)  # the loop goes on as it should
     state.check()

@@ -401,8 +401,8 @@ def _check_model_mask(mask: Any, dims: int, batch: int, new: int, cache: CacheVi
         needs = f"{total} columns, one per cached and new token (the cache holds {cache.length})"
     if mask.shape[-2] != new or not fits:
         raise MaskLengthError(
-            f"the {dims}D attention_mask has shape {tuple(mask.shape)}, but this step needs {new} "
-            f"row{'s' if new != 1 else ''} of queries (one per new token) and {needs}: pass a mask of that shape, "
+            f"the {dims}D attention_mask has shape {tuple(mask.shape)}, but this step needs "
+            f"{counted(new, 'row')} of queries (one per new token) and {needs}: pass a mask of that shape, "
             f"or pass the 2D (batch, cached + new tokens) padding mask and let the model build the rest"
         )
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from .. import _caches, _compat
 from .._core import CacheView, Positions
 from .._errors import AttentionWindowError, MaskValueError
 from . import GEMMA2
@@ -53,26 +53,28 @@ def check_past_window(model: Any, cache: CacheView, call: dict) -> None:
     """Refuse a step over a growing cache (``DynamicCache``, tuples) whose cached and new tokens would pass
     ``config.sliding_window``, where the release's sliding-window layers read it wrong (up to 4.52)."""
     past, window = cache.length, getattr(model.config, "sliding_window", None)
-    if cache.layout not in ("object", "legacy") or not past or not isinstance(window, int):
+    new = _new_tokens(call)
+    if cache.layout not in ("object", "legacy") or not past or not isinstance(window, int) or new is None:
         return
-    first = call.get("input_ids")
-    if first is None:
-        first = call.get("inputs_embeds")
-    if first is None or first.dim() < 2 or past + first.shape[1] <= window:
+    if past + new <= window:
         return
     release = _compat.transformers_version()
     outcome = "wrong tokens, without an error" if _compat.release() < (4, 48) else "a size error inside attention"
     raise AttentionWindowError(
-        f"this step attends over {past + first.shape[1]} tokens (the cache holds {past}), past the sliding window of "
+        f"this step attends over {past + new} tokens (the cache holds {past}), past the sliding window of "
         f"{window} (config.sliding_window), and on transformers {release} the sliding-window layers read a "
-        f"{type(_cache_of(call)).__name__} that holds more than the window wrong ({outcome}; right from 4.53). Decode "
+        f"{type(_caches.of_call(call)[1]).__name__} that holds more than the window wrong ({outcome}; right from 4.53). Decode "
         f"with generate(), or pass a HybridCache with room for the whole sequence (max_cache_len) from the first step, "
         f"or upgrade transformers to 4.53 or later"
     )
 
 
-def _cache_of(call: dict) -> Any:
-    return call.get("past_key_values", call.get("cache"))
+def _new_tokens(call: dict) -> int | None:
+    """The step's new tokens (its ``input_ids``' or ``inputs_embeds``' columns), ``None`` where neither is 2D+."""
+    first = call.get("input_ids")
+    if first is None:
+        first = call.get("inputs_embeds")
+    return None if first is None or first.dim() < 2 else first.shape[1]
 
 
 def check_hybrid_prefill(model: Any, cache: CacheView, call: dict) -> None:
@@ -84,12 +86,9 @@ def check_hybrid_prefill(model: Any, cache: CacheView, call: dict) -> None:
     mask = call.get("attention_mask")
     if cache.layout != "static" or mask is None:
         return
-    first = call.get("input_ids")
-    if first is None:
-        first = call.get("inputs_embeds")
-    if first is None or first.dim() < 2:
+    new = _new_tokens(call)
+    if new is None:
         return
-    new = first.shape[1]
     if mask.dim() == 2 and mask.shape[1] == new:
         padded = (mask[:, 1:].long() > mask[:, :-1].long()).any(-1)
     elif mask.dim() == 4 and new > 1:

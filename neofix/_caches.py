@@ -248,3 +248,32 @@ def of_output(output: Any) -> Any:
         if name in keys() and output[name] is not None:
             return output[name]
     return None
+
+
+def static_slots(cache: Any, new: int, device: Any) -> Any:
+    """The slots a static cache writes a step's ``new`` tokens to where the call gives no ``cache_position``, counted
+    as transformers counts them (the cache's own count of written slots, a tensor on its device, unread, plus
+    ``arange(new)``, on ``device``); ``None`` where the cache does not count them."""
+    layers = getattr(cache, "layers", None)
+    if type(layers) is list:  # 4.56 and later: per layer (5.x keeps the count as a tensor, 4.57 counts the keys)
+        if not layers:
+            return None
+        count: Any = 0 if _static_length(layers[0]) == 0 else _layer_length_tensor(layers[0])
+    else:
+        get_seq_length = getattr(cache, "get_seq_length", None)
+        try:
+            count = get_seq_length(0) if get_seq_length is not None else None
+        except (AttributeError, IndexError, TypeError, ValueError):
+            count = None
+    if type(count) is int:
+        return torch.arange(count, count + new, device=device)
+    if isinstance(count, _Tensor) and count.dim() == 0:
+        return count.to(device) + torch.arange(new, device=device)
+    return None
+
+
+def _layer_length_tensor(layer: Any) -> Any:
+    try:
+        return layer.get_seq_length()
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None

@@ -102,7 +102,7 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
             _reports.poll()  # position reports of earlier steps, read once their copies have landed (never waiting)
         limits = model_limits(self, adapter) if eager else adapter.limits(self.config)  # (compiled: constants)
         view = _read_cache(self, call, adapter, eager)
-        step = _step_inputs(call)
+        step = _step_inputs(call, view)
         try:
             kept, aligned = _judge(step, view, limits, call, adapter, eager)
         except NeofixError:
@@ -148,9 +148,10 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
     return view
 
 
-def _step_inputs(call: dict) -> StepInputs:
-    """The call's tensors, by :class:`~neofix._core.StepInputs`' field names (``None`` where not given)."""
-    return _new_tuple(  # (StepInputs' own constructor is a Python function: this runs every step)
+def _step_inputs(call: dict, view: CacheView) -> StepInputs:
+    """The call's tensors, by :class:`~neofix._core.StepInputs`' field names (``None`` where not given); over a static
+    cache, the slots of the new tokens where no ``cache_position`` is given (:func:`_with_slots`)."""
+    step = _new_tuple(  # (StepInputs' own constructor is a Python function: this runs every step)
         StepInputs,
         (
             call.get("input_ids"),
@@ -161,9 +162,23 @@ def _step_inputs(call: dict) -> StepInputs:
             call.get("cache_position"),
         ),
     )
+    if view.layout == "static" and step.cache_position is None:
+        return _with_slots(step, call)
+    return step
 
 
 _new_tuple = tuple.__new__
+
+
+def _with_slots(step: StepInputs, call: dict) -> StepInputs:
+    """A step over a static cache without ``cache_position``: the slots its tokens go to, as transformers counts them
+    (the cache's own count, unread), so that the core takes the mask's columns there (a mask may be as wide as the
+    slots).  For the core only: never passed on."""
+    first = step.input_ids if step.input_ids is not None else step.inputs_embeds
+    if first is None or first.dim() < 2:
+        return step
+    slots = _caches.static_slots(_caches.of_call(call)[1], first.shape[1], first.device)
+    return step if slots is None else step._replace(cache_position=slots)
 
 
 def _judge(

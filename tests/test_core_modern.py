@@ -111,3 +111,51 @@ def test_a_dict_of_prepared_masks_is_used_as_given():
     aligned = align(_step(torch.tensor([[2], [0], [1]]), mask=masks), _cache(3), LIMITS, ROTARY)
     assert aligned.attention_mask is masks
     assert aligned.position_ids.tolist() == [[2], [0], [1]]  # no 2D mask: positions are not compared with one
+
+
+# -- a 2D mask as wide as a static cache's slots --------------------------------------------------------------------
+
+SLOT_WIDE = torch.tensor([[1, 1, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0, 0, 0], [0, 1, 1, 1, 0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["slots read on the host", "slots on the device"])
+def test_a_mask_as_wide_as_a_static_caches_slots_gives_positions_at_the_new_tokens_slots(on_host, monkeypatch):
+    """After three tokens in an 8-slot static cache, the fourth at slot 3: a real token's position is the mask's at
+    its slot (not at the mask's last column, an empty slot's), whether the slots tell the cache's length (read on
+    the host) or are only used on the device."""
+    if not on_host:
+        from neofix._core import _values
+
+        monkeypatch.setattr(_values._reads, "reader_for", lambda question: _values._reads.read_on_device)
+    static = CacheView(None, 3, None, 8, 2, 8, "static")
+    aligned = align(_step(mask=SLOT_WIDE, cache_position=torch.tensor([3])), static, LIMITS, Policy())
+    assert aligned.position_ids.tolist() == [[3], [1], [2]]
+    assert aligned.attention_mask is SLOT_WIDE  # passed on as given (BLOOM builds its ALiBi over every slot)
+
+
+def test_an_empty_static_caches_first_step_reads_a_mask_as_wide_as_its_slots_by_slot():
+    """The first step (the cache known to be empty): the prompt's tokens are the first slots; the mask is not
+    ambiguous (it was a MaskLengthError), and its first columns give the real tokens' positions."""
+    empty = CacheView(0, None, None, 8, None, None, "static")
+    aligned = align(_step(mask=SLOT_WIDE, new=4), empty, LIMITS, Policy())
+    assert aligned.attention_mask is SLOT_WIDE
+    assert aligned.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1], [0, 0, 1, 2]]  # (a pad keeps its column)
+
+
+def test_a_static_caches_length_is_told_by_its_slots_only_where_they_are_read_for_free():
+    """The new tokens' slots tell a static cache's length (last slot + 1 - new tokens) when read on the host, eagerly;
+    not under torch.compile, not from slots of another count than the step's tokens, nor from slots before 0, and
+    never for a cache whose length is known or that is not static."""
+    from neofix._core._align import length_from_slots
+
+    static = CacheView(None, 3, None, 8, 2, 8, "static")
+    assert length_from_slots(static, torch.tensor([5, 6]), 2, False).length == 5
+    assert length_from_slots(static, torch.tensor([5, 6]), 2, True) is static
+    assert length_from_slots(static, torch.tensor([6]), 2, False) is static
+    assert length_from_slots(static, torch.tensor([[5, 6]]), 2, False) is static
+    assert length_from_slots(static, None, 2, False) is static
+    assert length_from_slots(static, torch.tensor([-1, 0]), 2, False) is static  # (a length of -1: not one)
+    growing = CacheView(None, 3, None, None, 2, 8, "unknown")
+    assert length_from_slots(growing, torch.tensor([5, 6]), 2, False) is growing
+    known = static._replace(length=4)
+    assert length_from_slots(known, torch.tensor([5, 6]), 2, False) is known

@@ -13,6 +13,7 @@ The tiny model has a window of 4 tokens, global and local layers, and a static c
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 
@@ -20,9 +21,10 @@ import pytest
 import torch
 
 import neofix
-from neofix.testing import reference_greedy, tiny_gpt_neo
+from neofix.testing import reference_greedy, tiny_gpt_neo, tiny_model
 
 from ._versions import DTYPE, cache_keyword, has, requires
+from ._sync import simulated_accelerator
 from .loops import left_padded_batch
 
 SLOTS = 16
@@ -44,19 +46,27 @@ def static_cache(model, batch, slots=SLOTS):
 
 
 @torch.no_grad()
-def static_loop(forward, model, ids, mask, steps=STEPS, *, cache=None, stale_mask=False, slots=False):
+def static_loop(forward, model, ids, mask, steps=STEPS, *, cache=None, stale_mask=False, slots=False, wide=None,
+                logits=None):
     """Greedy decoding by hand over a static cache: the mask of the tokens so far (or the prompt's, ``stale_mask``),
     no position_ids.  ``slots``: pass ``cache_position`` where the forward takes it (4.45 - 5.0: without it the
     model counts a static cache's tokens by reading its keys, which dynamo cannot trace, vanilla or patched).
-    Returns the new tokens."""
+    ``wide``: pass the mask as wide as the cache's slots from the first step, the empty slots' columns zeros
+    (``"slots"``) or ones (``"ones"``: the causal mask hides them).  ``logits``: a list each step's logits are
+    appended to.  Returns the new tokens."""
     cache = static_cache(model, ids.shape[0]) if cache is None else cache
     keyword = cache_keyword(model)
     takes_slots = slots and "cache_position" in inspect.signature(type(model).forward).parameters
     fed, full, new = ids, mask, []
     for _ in range(steps):
         extra = {"cache_position": torch.arange(full.shape[1] - fed.shape[1], full.shape[1])} if takes_slots else {}
-        out = forward(input_ids=fed, attention_mask=mask if stale_mask else full, use_cache=True, **{keyword: cache},
-                      **extra)
+        given = mask if stale_mask else full
+        if wide is not None:
+            empty = (torch.zeros if wide == "slots" else torch.ones)(full.shape[0], SLOTS - full.shape[1], dtype=full.dtype)
+            given = torch.cat([full, empty], dim=-1)
+        out = forward(input_ids=fed, attention_mask=given, use_cache=True, **{keyword: cache}, **extra)
+        if logits is not None:
+            logits.append(out.logits)
         fed = out.logits[:, -1:].argmax(-1)
         new.append(fed)
         full = torch.cat([full, full.new_ones((full.shape[0], 1))], dim=-1)
@@ -110,17 +120,68 @@ def test_a_static_loop_past_the_window_gives_the_reference_tokens(model, batch):
 
 
 @needs_static_loop
-@pytest.mark.xfail(strict=True, reason="a static cache's length is a tensor: neofix cannot tell a stale mask from "
-                   "shapes (transformers pads it with zeros to the slots); not repaired yet, see CHANGELOG")
-def test_a_static_loop_with_a_stale_mask_is_repaired(model, batch):
-    """The prompt's mask at every step (the classic bug) over a static cache: should be extended as over a dynamic
-    cache.  Known gap: the length of a static cache is not read (a device synchronisation), so the short mask passes
-    unchanged and transformers pads it with zeros: the new tokens are masked out."""
+@pytest.mark.parametrize("slots", [False, True], ids=["transformers' slots", "cache_position given"])
+def test_a_static_loop_with_a_stale_mask_is_repaired(model, batch, slots):
+    """The prompt's mask at every step (the classic bug) over a static cache: extended as over a dynamic cache, and
+    said.  A static cache's length is a tensor; on the CPU the new tokens' slots (``cache_position``, given or the
+    cache's own count) are read without waiting, and tell it.  (Unpatched, transformers pads the short mask with
+    zeros: the new tokens are masked out.)"""
     ids, mask = batch
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", neofix.NeofixWarning)
-        got = static_loop(model, model, ids, mask, stale_mask=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", neofix.NeofixWarning)
+        got = static_loop(model, model, ids, mask, stale_mask=True, slots=slots)
     assert torch.equal(got, reference(model, ids, mask))
+    assert any("extended it with ones on the right" in str(w.message) for w in caught)
+
+
+@needs_static_loop
+@pytest.mark.parametrize("device", ["cpu", "accelerator"])
+@pytest.mark.parametrize("slots", [False, True], ids=["transformers' slots", "cache_position given"])
+def test_a_static_loop_whose_mask_is_as_wide_as_the_slots_gives_the_reference_tokens(model, batch, slots, device):
+    """A hand loop over a static cache passing, from its first step, a 2D mask as wide as the cache's slots (ones for
+    the tokens so far, zeros for the empty slots), left-padded, no positions: transformers reads its columns as
+    slots, and so does neofix, taking each new token's position at its slot (on an accelerator on the device,
+    unread).  It was refused at the first step (4.57 and later) and, after it, given the positions of the empty
+    slots' columns where cache_position was passed: wrong tokens."""
+    ids, mask = batch
+    context = simulated_accelerator() if device == "accelerator" else contextlib.nullcontext()
+    with context, warnings.catch_warnings():
+        warnings.simplefilter("ignore", neofix.NeofixWarning)
+        got = static_loop(model, model, ids, mask, slots=slots, wide="slots")
+    assert torch.equal(got, reference(model, ids, mask))
+
+
+@needs_static_loop
+@pytest.mark.parametrize("wide", ["slots", "ones"])
+@pytest.mark.parametrize("slots", [False, True], ids=["transformers' slots", "cache_position given"])
+def test_a_mask_as_wide_as_the_slots_computes_what_vanilla_computes_where_it_is_right(slots, wide):
+    """Unpadded rows, within the window (where vanilla is right), a mask as wide as the slots whose empty slots are
+    zeros or ones: every step's logits are vanilla's, bit for bit.  With ones there, neofix took the new token's
+    position from the mask's last column (the last slot's: wrong tokens)."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32, window_size=SLOTS)
+    ids = torch.randint(1, 96, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    patched, plain = [], []
+    static_loop(model, model, ids, mask, 5, slots=slots, wide=wide, logits=patched)
+    with neofix.unpatched():
+        static_loop(model, model, ids, mask, 5, slots=slots, wide=wide, logits=plain)
+    for mine, theirs in zip(patched, plain, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@needs_static_loop
+@pytest.mark.parametrize("slots", [False, True], ids=["transformers' slots", "cache_position given"])
+def test_a_rotary_family_runs_a_mask_as_wide_as_the_slots_as_vanilla(batch, slots):
+    """Llama, where left padding without positions is harmless and vanilla decodes a slot-wide mask right from the
+    first step: every step's logits are vanilla's, bit for bit (the first step was refused, 4.57 and later)."""
+    model = tiny_model("llama", seed=0, dtype=torch.float32)
+    ids, mask = batch
+    patched, plain = [], []
+    static_loop(model, model, ids, mask, 5, slots=slots, wide="slots", logits=patched)
+    with neofix.unpatched():
+        static_loop(model, model, ids, mask, 5, slots=slots, wide="slots", logits=plain)
+    for mine, theirs in zip(patched, plain, strict=True):
+        assert torch.equal(mine, theirs)
 
 
 @needs_static_loop
@@ -220,7 +281,7 @@ def test_an_attention_neofix_does_not_repair_is_refused_up_front(model, batch, m
 # -- compiled -------------------------------------------------------------------------------------------------------
 
 
-def compiled_static_loop(model, ids, mask, steps, **options):
+def compiled_static_loop(model, ids, mask, steps, wide=None, **options):
     """The static loop through ``torch.compile(model.forward, fullgraph=True, ...)``: (new tokens, frames compiled
     after the first three steps, frames compiled in all).  fullgraph: any graph break is an error."""
     from torch._dynamo.utils import counters
@@ -228,10 +289,10 @@ def compiled_static_loop(model, ids, mask, steps, **options):
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model.forward, fullgraph=True, **options)
-    warmup = static_loop(compiled, model, ids, mask, 3, slots=True)
+    warmup = static_loop(compiled, model, ids, mask, 3, slots=True, wide=wide)
     settled = counters["stats"]["unique_graphs"]
     cache = static_cache(model, ids.shape[0])
-    tokens = static_loop(compiled, model, ids, mask, steps, cache=cache, slots=True)
+    tokens = static_loop(compiled, model, ids, mask, steps, cache=cache, slots=True, wide=wide)
     del warmup
     return tokens, settled, counters["stats"]["unique_graphs"], dict(counters["graph_break"])
 
@@ -248,6 +309,18 @@ def test_a_compiled_static_loop_gives_the_eager_tokens_in_one_graph_per_shape(ba
     assert breaks == {}
     assert torch.equal(tokens, expected)
     assert total == settled  # a whole second run and six more steps compiled nothing new
+    torch._dynamo.reset()
+
+
+@needs_static_loop
+def test_a_compiled_static_loop_whose_mask_is_as_wide_as_the_slots_gives_the_reference_tokens(batch):
+    """The same loop passing a mask as wide as the slots (one shape for every decode step): the reference tokens,
+    the positions taken at the slots inside the graph, no graph break."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32, num_layers=2)
+    ids, mask = batch
+    tokens, _, _, breaks = compiled_static_loop(model, ids, mask, STEPS, wide="slots", backend="eager")
+    assert breaks == {}
+    assert torch.equal(tokens, reference(model, ids, mask))
     torch._dynamo.reset()
 
 

@@ -62,6 +62,7 @@ from ._values import (
     read_values,
     rows_to_mark,
     cache_position_kept,
+    on_host,
     settle,
     settle_cache_position,
     sequence_too_long,
@@ -84,10 +85,14 @@ def align(
     if shape is None:
         return None
     batch, new = shape
+    cache = length_from_slots(cache, step.cache_position, new, policy.compiling)
     total, past_the_table = check_cache(cache, batch, new, limits)
     strict = policy.strict
     repairs: list[Repair] = []
-    mask, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs)
+    passed, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs)
+    mask = passed
+    if mask_2d and total is not None and mask.shape[-1] > total:  # as wide as a static cache's slots: its first
+        mask = mask[:, :total]  # columns are the tokens so far (the slots past them are empty)
     token_types, cache_position = align_side_inputs(step, new, total, strict, repairs)
     cache_position = settle_cache_position(cache_position, cache.length, new, policy, repairs)
     first = step.input_ids if step.input_ids is not None else step.inputs_embeds
@@ -104,7 +109,7 @@ def align(
     if past_the_table is not None:  # more tokens than the table, where it bounds positions alone: they decide
         check_positions_fit(settled.positions, past_the_table, policy.compiling)
     return Aligned(
-        mask,
+        passed,
         settled.positions,
         token_types,
         cache_position,
@@ -220,6 +225,19 @@ def ids_problem(shape: Any, dtype: Any) -> NeofixError | None:
 # -- 2. the cache ----------------------------------------------------------------------------------------------------
 
 
+def length_from_slots(cache: CacheView, slots: Any, new: int, compiling: bool) -> CacheView:
+    """A static cache's length (a tensor: not known from shapes) where the new tokens' slots (``cache_position``,
+    given or transformers' own) tell it without waiting: their last + 1 - ``new``, read on the host (CPU memory, an
+    eager call).  The step is then checked as one after a cache of that many tokens.  Elsewhere it stays unknown,
+    and positions are taken at the slots on the device (:func:`~._reads.new_columns`)."""
+    if cache.length is not None or cache.layout != "static" or slots is None or compiling or slots.dim() != 1:
+        return cache
+    if slots.shape[0] != new or not on_host(slots, None):
+        return cache
+    past = int(slots[-1]) + 1 - new
+    return cache._replace(length=past) if past >= 0 else cache
+
+
 def check_cache(
     cache: CacheView, batch: int, new: int, limits: Limits
 ) -> tuple[int | None, SequenceTooLongError | None]:
@@ -290,13 +308,22 @@ def align_mask(
         return mask, False  # given, as a 4D mask: the model's own, with layers of different widths)
     dims = mask.dim()
     if dims == 2:
-        if total is None and cache.capacity is not None and mask.shape[1] > cache.capacity:
+        if cache.capacity is not None and mask.shape[1] > cache.capacity:
             _raise_past_capacity(mask.shape[1], cache.capacity)
+        if total is not None and total < mask.shape[1] and _as_wide_as_the_slots(mask.shape[1], cache):
+            return mask, True  # read by slot, as transformers reads it, and passed on as given (see align)
         return _align_padding_mask(mask, batch, new, cache.length, total, strict, repairs), True
     if dims in (3, 4):
         _check_model_mask(mask, dims, batch, new, cache, total)
         return mask, False
     raise InputShapeError(f"attention_mask has shape {tuple(mask.shape)}; pass a 2D (batch, cached + new tokens) mask")
+
+
+def _as_wide_as_the_slots(columns: int, cache: CacheView) -> bool:
+    """Whether a 2D mask wider than the tokens so far is a static cache's mask of every slot (ones for the tokens so
+    far, zeros or ones for the empty slots), which transformers reads by slot: as wide as the cache's slots, or any
+    width where their count is each layer's (sliding-window layers: no capacity told)."""
+    return cache.layout == "static" and (cache.capacity is None or cache.capacity == columns)
 
 
 def _align_padding_mask(

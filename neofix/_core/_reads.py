@@ -27,7 +27,7 @@ class Question(NamedTuple):
     """What a step asks of its values.  ``positions``: the given positions (``None``: none given); ``compare``: compare
     them with the mask's; ``range_of_positions``: read their smallest and largest value (a family with a position
     table); ``mask``: the aligned 2D mask or ``None``; ``past``: cached tokens (``None``: not known; 0 without a
-    cache)."""
+    cache); ``slots``: the new tokens' slots where ``past`` is not known (see :func:`new_columns`)."""
 
     input_ids: Any
     token_types: Any
@@ -37,6 +37,7 @@ class Question(NamedTuple):
     mask: Any
     new: int
     past: int | None
+    slots: Any = None
 
 
 class Facts(NamedTuple):
@@ -68,7 +69,7 @@ _new = tuple.__new__
 
 def reader_for(question: Question) -> Reader:
     """The reader of a step: on the host where every tensor it reads is in CPU memory, else on the device."""
-    input_ids, _, positions, _, _, mask, _, _ = question
+    input_ids, _, positions, _, _, mask, _, _, _ = question
     if (
         (input_ids is None or input_ids.is_cpu)
         and (mask is None or mask.is_cpu)
@@ -82,7 +83,7 @@ def reader_for(question: Question) -> Reader:
 
 
 def read_on_host(question: Question) -> Facts:
-    input_ids, _, positions, compare, _, mask, new, past = question
+    input_ids, _, positions, compare, _, mask, new, past, _ = question
     if mask is None:
         rows = leading = None
         binary, left, right = True, False, ()
@@ -176,7 +177,7 @@ def _counts_pads(row: list[int], own: list[int]) -> bool:
 
 
 def read_on_device(question: Question) -> Facts:
-    input_ids, token_types, positions, compare, range_of_positions, mask, new, past = question
+    input_ids, token_types, positions, compare, range_of_positions, mask, new, past, slots = question
     parts: list[torch.Tensor] = []
 
     def add(*tensors: torch.Tensor) -> slice:
@@ -194,7 +195,7 @@ def read_on_device(question: Question) -> Facts:
             steps = add(*torch.aminmax(torch.diff(mask.long(), dim=-1), dim=-1))
             last = add(mask[:, -1])
     if compare and past != 0:
-        truth = step_truth(mask, new, past, positions)
+        truth = step_truth(mask, new, past, positions, slots)
         if truth is not None:
             derived, real = truth
             wrong = add((real & (positions != derived)).any())
@@ -220,15 +221,28 @@ def read_on_device(question: Question) -> Facts:
     )
 
 
-def step_truth(mask: Any, new: int, past: int | None, like: torch.Tensor) -> tuple[Any, Any] | None:
+def step_truth(
+    mask: Any, new: int, past: int | None, like: torch.Tensor, slots: Any = None
+) -> tuple[Any, Any] | None:
     """``(derived, real)`` for comparing given positions after a cache: the mask's positions of the new tokens and
     which of them are real; without a mask every token is real and positions continue after the cache."""
     if mask is not None:
-        return mask.long().cumsum(-1)[:, -new:] - 1, mask[:, -new:] != 0
+        return new_columns(mask.long().cumsum(-1), new, past, slots) - 1, new_columns(mask, new, past, slots) != 0
     if past is None:
         return None
     derived = torch.arange(past, past + new, device=like.device).unsqueeze(0)
     return derived, torch.ones_like(derived, dtype=torch.bool)
+
+
+def new_columns(tensor: torch.Tensor, new: int, past: int | None, slots: Any) -> torch.Tensor:
+    """The new tokens' columns of a 2D mask (or of a tensor over its columns): its last ``new``, or, over a static
+    cache whose length is not known (``past`` ``None``), the new tokens' ``slots`` (its ``cache_position``, given or
+    transformers' own): there a mask's columns are slots, and one may be as wide as all of them (ones for the tokens so
+    far, zeros for the empty slots), as transformers reads it.  Taken on the device, unread; a mask narrower than the
+    slots (not extended: a value read would tell) gives its last column for the slots past it."""
+    if past is not None or slots is None or slots.dim() != 1:
+        return tensor[:, -new:]
+    return tensor.index_select(-1, slots.clamp(max=tensor.shape[-1] - 1))
 
 
 def counts_padding(positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from .._errors import MaskValueError, PositionError, SequenceTooLongError, TokenIdError, counted
 from . import _reads
-from ._reads import Facts, Question, step_truth
+from ._reads import Facts, Question, new_columns, step_truth
 from ._types import (
     CACHE_POSITION_VALUES,
     POSITION_VALUES,
@@ -88,7 +88,7 @@ def settle(
     if facts is None:
         facts = read_values(
             step.input_ids, step.token_types, step.positions, step.given, compare, step.mask, step.new, step.past,
-            limits,
+            limits, step.cache_position,
         )
         check_values(facts, step.input_ids, step.token_types, step.positions, step.mask, limits)
     positions = _positions_from(facts, step, compare, derive, policy, repairs)
@@ -128,13 +128,14 @@ def read_values(
     new: int,
     past: int | None,
     limits: Limits,
+    slots: Any = None,
 ) -> Facts:
     """Read a step's values once, by the reader :func:`~._reads.reader_for` picks (given positions' range only where
-    the family has a position table)."""
+    the family has a position table; ``slots``: see :class:`~._reads.Question`)."""
     question = _new(  # (Question's own constructor is a Python function: built directly, as it does)
         Question,
         (input_ids, token_types, positions if given else None, compare, given and limits.max_positions is not None, mask,
-         new, past),
+         new, past, slots),
     )
     return _reads.reader_for(question)(question)
 
@@ -184,7 +185,7 @@ def _settle_rotary(step: ValueStep, policy: Policy, decode: bool, repairs: list[
     decode step on the device without a read (a :class:`Report` for the caller), else read at once (strict:
     :class:`PositionError`)."""
     positions, mask, past = step.positions, step.mask, step.past
-    if not policy.compiling and _on_host(positions, mask) and _either_scheme(positions, mask, step.new, past):
+    if not policy.compiling and on_host(positions, mask) and _either_scheme(positions, mask, step.new, past):
         return positions, None  # read on the host (a list scan: nothing to wait for), and right: nothing to do
     target, wrong = rotary_truth(positions, mask, step.new, past)  # type: ignore[arg-type]
     if policy.compiling or (decode and not policy.check_values and not policy.strict):
@@ -195,10 +196,10 @@ def _settle_rotary(step: ValueStep, policy: Policy, decode: bool, repairs: list[
     return _repair_cached(positions, target, wrong, past, mask is not None, policy.strict, repairs), None
 
 
-def _on_host(positions: Any, mask: Any) -> bool:
+def on_host(positions: Any, mask: Any) -> bool:
     """Whether the step's values are read on the host (CPU memory: a read waits for nothing), as :mod:`._reads`
     chooses its reader."""
-    return _reads.reader_for(Question(None, None, positions, False, False, mask, 0, None)) is _reads.read_on_host
+    return _reads.reader_for(Question(None, None, positions, False, False, mask, 0, None, None)) is _reads.read_on_host
 
 
 def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int) -> bool:
@@ -232,7 +233,7 @@ def cache_position_kept(cache_position: Any, past: int | None, new: int) -> bool
     (Eager calls only: it reads the host's values.)"""
     if cache_position is None or not past or cache_position.dim() != 1:
         return True
-    return _on_host(cache_position, None) and cache_position.tolist() == list(range(past, past + new))
+    return on_host(cache_position, None) and cache_position.tolist() == list(range(past, past + new))
 
 
 def settle_cache_position(cache_position: Any, past: int | None, new: int, policy: Policy, repairs: list[Repair]) -> Any:
@@ -243,7 +244,7 @@ def settle_cache_position(cache_position: Any, past: int | None, new: int, polic
     :class:`PositionError`).  Untouched where the cache's length cannot be told (static caches)."""
     if cache_position is None or not past or cache_position.dim() != 1:
         return cache_position
-    if policy.compiling or not (_on_host(cache_position, None) or policy.strict or policy.check_values):
+    if policy.compiling or not (on_host(cache_position, None) or policy.strict or policy.check_values):
         return torch.arange(past, past + new, device=cache_position.device)
     given = cache_position.tolist()
     if given == list(range(past, past + new)):
@@ -317,7 +318,7 @@ def _positions_from(
     if positions_kept(facts, compare, derive):
         return step.positions
     if compare and facts.wrong:
-        derived, real = step_truth(mask, step.new, step.past, step.positions)  # type: ignore[misc]
+        derived, real = step_truth(mask, step.new, step.past, step.positions, step.cache_position)  # type: ignore[misc]
         wrong = real & (step.positions != derived)
         return _repair_cached(step.positions, derived, wrong, step.past, mask is not None, policy.strict, repairs)
     if compare and facts.counts_pads:
@@ -335,15 +336,15 @@ def _positions_from(
 def _settle_without_reading(step: ValueStep, compare: bool, derive: bool, repairs: list[Repair]) -> Settled:
     """A decode step: given positions compared and repaired on the device (reported later), missing ones derived."""
     if compare:
-        return _repaired_on_device(step.positions, step.mask, step.past)
+        return _repaired_on_device(step.positions, step.mask, step.past, step.cache_position)
     if derive:
         repairs.append(Repair(POSITIONS_DERIVED, ""))
         return Settled(mask_positions(step.mask, 1, step.past, step.cache_position), None, ())
     return Settled(step.positions, None, ())
 
 
-def _repaired_on_device(positions: torch.Tensor, mask: Any, past: int | None) -> Settled:
-    truth = step_truth(mask, 1, past, positions)
+def _repaired_on_device(positions: torch.Tensor, mask: Any, past: int | None, slots: Any) -> Settled:
+    truth = step_truth(mask, 1, past, positions, slots)
     if truth is None:
         return Settled(positions, None, ())
     derived, real = truth
@@ -355,7 +356,7 @@ def _repaired_on_device(positions: torch.Tensor, mask: Any, past: int | None) ->
 def _positions_on_device(step: ValueStep, compare: bool, derive: bool) -> Any:
     """Inside ``torch.compile``: the positions an eager step ends with, computed on the device only."""
     if compare and step.past != 0:
-        truth = step_truth(step.mask, step.new, step.past, step.positions)
+        truth = step_truth(step.mask, step.new, step.past, step.positions, step.cache_position)
         if truth is not None:
             derived, real = truth
             return torch.where(real & (step.positions != derived), derived, step.positions)
@@ -386,14 +387,15 @@ def mask_positions(mask: torch.Tensor, new: int, past: int | None, cache_positio
     """
     whole = mask.shape[-1] == new  # (a forward without a cache: no columns to drop)
     counted = (mask if mask.dtype is torch.long else mask.long()).cumsum(-1)
-    derived = counted.sub_(1) if whole else counted[:, -new:] - 1
-    if cache_position is not None and cache_position.dim() == 1:
-        own = cache_position.to(derived.dtype)
+    slots = cache_position if cache_position is not None and cache_position.dim() == 1 else None
+    derived = counted.sub_(1) if whole else new_columns(counted, new, past, slots) - 1
+    if slots is not None:
+        own = slots.to(derived.dtype)
     elif past is not None:
         own = torch.arange(past, past + new, device=derived.device)
-    else:  # a static cache without cache_position: transformers' own cannot be told; pads before a real token at 0
+    else:  # a cache whose length and slots cannot be told: transformers' own neither; pads before a real token at 0
         return derived.clamp_(min=0)
-    return torch.where((mask if whole else mask[:, -new:]) != 0, derived, own)  # (own: one row, for every row)
+    return torch.where((mask if whole else new_columns(mask, new, past, slots)) != 0, derived, own)  # (own: one row)
 
 
 def _from_mask_message(mask: torch.Tensor) -> str:

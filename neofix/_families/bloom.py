@@ -57,16 +57,13 @@ def layers(model: Any) -> int:
 
 
 def read_cache(cache: Any, layer_count: int) -> CacheView:
-    """What the cache holds.  A static cache's length is never told, not even when it is empty: BLOOM builds ALiBi
-    from the 2D mask, so transformers' generate pads that mask with zeros to the cache's capacity (BLOOM's own
-    ``prepare_inputs_for_generation`` from 4.44, ``create_masks_for_generate`` on 5.x): the mask of a step with a
-    static cache spans every slot, not the cached plus new tokens, and is left as it is."""
+    """What the cache holds (up to 4.43, the fused cache: :func:`read_fused`).  BLOOM builds ALiBi from the 2D mask,
+    so transformers' generate pads that mask with zeros to a static cache's slots (BLOOM's own
+    ``prepare_inputs_for_generation`` from 4.44, ``create_masks_for_generate`` on 5.x): a mask as wide as the slots,
+    which the core reads by slot and passes on as given."""
     if FUSED_CACHE and (type(cache) is tuple or type(cache) is list):
         return read_fused(cache, layer_count)
-    view = _caches.read(cache, layer_count)
-    if view.capacity is not None and view.length is not None:
-        return view._replace(length=None)
-    return view
+    return _caches.read(cache, layer_count)
 
 
 def read_fused(cache: Any, layer_count: int) -> CacheView:

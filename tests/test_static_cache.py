@@ -52,7 +52,8 @@ def static_loop(forward, model, ids, mask, steps=STEPS, *, cache=None, stale_mas
     no position_ids.  ``slots``: pass ``cache_position`` where the forward takes it (4.45 - 5.0: without it the
     model counts a static cache's tokens by reading its keys, which dynamo cannot trace, vanilla or patched).
     ``wide``: pass the mask as wide as the cache's slots from the first step, the empty slots' columns zeros
-    (``"slots"``) or ones (``"ones"``: the causal mask hides them).  ``logits``: a list each step's logits are
+    (``"slots"``) or ones (``"ones"``: the causal mask hides them), or allocated up front for the prompt and every new
+    token, zeros past the tokens so far (``"allocated"``, narrower than the slots).  ``logits``: a list each step's logits are
     appended to.  Returns the new tokens."""
     cache = static_cache(model, ids.shape[0]) if cache is None else cache
     keyword = cache_keyword(model)
@@ -62,7 +63,8 @@ def static_loop(forward, model, ids, mask, steps=STEPS, *, cache=None, stale_mas
         extra = {"cache_position": torch.arange(full.shape[1] - fed.shape[1], full.shape[1])} if takes_slots else {}
         given = mask if stale_mask else full
         if wide is not None:
-            empty = (torch.zeros if wide == "slots" else torch.ones)(full.shape[0], SLOTS - full.shape[1], dtype=full.dtype)
+            width = ids.shape[1] + steps if wide == "allocated" else SLOTS
+            empty = (torch.ones if wide == "ones" else torch.zeros)(full.shape[0], width - full.shape[1], dtype=full.dtype)
             given = torch.cat([full, empty], dim=-1)
         out = forward(input_ids=fed, attention_mask=given, use_cache=True, **{keyword: cache}, **extra)
         if logits is not None:
@@ -135,19 +137,21 @@ def test_a_static_loop_with_a_stale_mask_is_repaired(model, batch, slots):
 
 
 @needs_static_loop
+@pytest.mark.parametrize("wide", ["slots", "allocated"])
 @pytest.mark.parametrize("device", ["cpu", "accelerator"])
 @pytest.mark.parametrize("slots", [False, True], ids=["transformers' slots", "cache_position given"])
-def test_a_static_loop_whose_mask_is_as_wide_as_the_slots_gives_the_reference_tokens(model, batch, slots, device):
+def test_a_static_loop_whose_mask_is_as_wide_as_the_slots_gives_the_reference_tokens(model, batch, slots, device, wide):
     """A hand loop over a static cache passing, from its first step, a 2D mask as wide as the cache's slots (ones for
     the tokens so far, zeros for the empty slots), left-padded, no positions: transformers reads its columns as
     slots, and so does neofix, taking each new token's position at its slot (on an accelerator on the device,
     unread).  It was refused at the first step (4.57 and later) and, after it, given the positions of the empty
-    slots' columns where cache_position was passed: wrong tokens."""
+    slots' columns where cache_position was passed: wrong tokens.  The same with a mask allocated up front for every
+    token, narrower than the slots."""
     ids, mask = batch
     context = simulated_accelerator() if device == "accelerator" else contextlib.nullcontext()
     with context, warnings.catch_warnings():
         warnings.simplefilter("ignore", neofix.NeofixWarning)
-        got = static_loop(model, model, ids, mask, slots=slots, wide="slots")
+        got = static_loop(model, model, ids, mask, slots=slots, wide=wide)
     assert torch.equal(got, reference(model, ids, mask))
 
 
@@ -170,16 +174,17 @@ def test_a_mask_as_wide_as_the_slots_computes_what_vanilla_computes_where_it_is_
 
 
 @needs_static_loop
+@pytest.mark.parametrize("wide", ["slots", "allocated"])
 @pytest.mark.parametrize("slots", [False, True], ids=["transformers' slots", "cache_position given"])
-def test_a_rotary_family_runs_a_mask_as_wide_as_the_slots_as_vanilla(batch, slots):
+def test_a_rotary_family_runs_a_mask_as_wide_as_the_slots_as_vanilla(batch, slots, wide):
     """Llama, where left padding without positions is harmless and vanilla decodes a slot-wide mask right from the
     first step: every step's logits are vanilla's, bit for bit (the first step was refused, 4.57 and later)."""
     model = tiny_model("llama", seed=0, dtype=torch.float32)
     ids, mask = batch
     patched, plain = [], []
-    static_loop(model, model, ids, mask, 5, slots=slots, wide="slots", logits=patched)
+    static_loop(model, model, ids, mask, 5, slots=slots, wide=wide, logits=patched)
     with neofix.unpatched():
-        static_loop(model, model, ids, mask, 5, slots=slots, wide="slots", logits=plain)
+        static_loop(model, model, ids, mask, 5, slots=slots, wide=wide, logits=plain)
     for mine, theirs in zip(patched, plain, strict=True):
         assert torch.equal(mine, theirs)
 

@@ -91,8 +91,8 @@ def align(
     repairs: list[Repair] = []
     passed, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs)
     mask = passed
-    if mask_2d and total is not None and mask.shape[-1] > total:  # as wide as a static cache's slots: its first
-        mask = mask[:, :total]  # columns are the tokens so far (the slots past them are empty)
+    if mask_2d and total is not None and mask.shape[-1] > total:  # a static cache's slots (_read_by_slot): its
+        mask = mask[:, :total]  # first columns are the tokens so far (the slots past them are empty)
     token_types, cache_position = align_side_inputs(step, new, total, strict, repairs)
     cache_position = settle_cache_position(cache_position, cache.length, new, policy, repairs)
     first = step.input_ids if step.input_ids is not None else step.inputs_embeds
@@ -310,7 +310,7 @@ def align_mask(
     if dims == 2:
         if cache.capacity is not None and mask.shape[1] > cache.capacity:
             _raise_past_capacity(mask.shape[1], cache.capacity)
-        if total is not None and total < mask.shape[1] and _as_wide_as_the_slots(mask.shape[1], cache):
+        if total is not None and total < mask.shape[1] and _read_by_slot(mask.shape[1], cache):
             return mask, True  # read by slot, as transformers reads it, and passed on as given (see align)
         return _align_padding_mask(mask, batch, new, cache.length, total, strict, repairs), True
     if dims in (3, 4):
@@ -319,11 +319,12 @@ def align_mask(
     raise InputShapeError(f"attention_mask has shape {tuple(mask.shape)}; pass a 2D (batch, cached + new tokens) mask")
 
 
-def _as_wide_as_the_slots(columns: int, cache: CacheView) -> bool:
-    """Whether a 2D mask wider than the tokens so far is a static cache's mask of every slot (ones for the tokens so
-    far, zeros or ones for the empty slots), which transformers reads by slot: as wide as the cache's slots, or any
-    width where their count is each layer's (sliding-window layers: no capacity told)."""
-    return cache.layout == "static" and (cache.capacity is None or cache.capacity == columns)
+def _read_by_slot(columns: int, cache: CacheView) -> bool:
+    """Whether a 2D mask wider than the tokens so far is a static cache's mask of its slots (ones for the tokens so
+    far, zeros or ones for empty slots: a loop's mask allocated up front, or one as wide as the cache), which
+    transformers reads by slot, its columns the slots from the first: over a static cache of no more slots than it
+    has columns (any width where the slots are each layer's: sliding-window layers, no capacity told)."""
+    return cache.layout == "static" and (cache.capacity is None or columns <= cache.capacity)
 
 
 def _align_padding_mask(

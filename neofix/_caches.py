@@ -267,8 +267,8 @@ def static_slots(cache: Any, new: int, device: Any) -> Any:
             count = None
     if type(count) is int:
         return torch.arange(count, count + new, device=device)
-    if isinstance(count, _Tensor) and count.dim() == 0:
-        return count.to(device) + torch.arange(new, device=device)
+    if isinstance(count, _Tensor) and count.numel() == 1:  # (one element: of no dimension, or of one on 5.5 - 5.12)
+        return count.reshape(()).to(device) + torch.arange(new, device=device)
     return None
 
 

@@ -155,6 +155,17 @@ def test_a_static_loop_whose_mask_is_as_wide_as_the_slots_gives_the_reference_to
     assert torch.equal(got, reference(model, ids, mask))
 
 
+def assert_every_step_is_vanillas(model, ids, mask, **loop):
+    """Five steps of :func:`static_loop` (``loop``: its options), patched and unpatched: every step's logits equal, bit
+    for bit."""
+    patched, plain = [], []
+    static_loop(model, model, ids, mask, 5, logits=patched, **loop)
+    with neofix.unpatched():
+        static_loop(model, model, ids, mask, 5, logits=plain, **loop)
+    for mine, theirs in zip(patched, plain, strict=True):
+        assert torch.equal(mine, theirs)
+
+
 @needs_static_loop
 @pytest.mark.parametrize("wide", ["slots", "ones"])
 @pytest.mark.parametrize("slots", [False, True], ids=["transformers' slots", "cache_position given"])
@@ -165,12 +176,7 @@ def test_a_mask_as_wide_as_the_slots_computes_what_vanilla_computes_where_it_is_
     model = tiny_gpt_neo(seed=0, dtype=torch.float32, window_size=SLOTS)
     ids = torch.randint(1, 96, (2, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    patched, plain = [], []
-    static_loop(model, model, ids, mask, 5, slots=slots, wide=wide, logits=patched)
-    with neofix.unpatched():
-        static_loop(model, model, ids, mask, 5, slots=slots, wide=wide, logits=plain)
-    for mine, theirs in zip(patched, plain, strict=True):
-        assert torch.equal(mine, theirs)
+    assert_every_step_is_vanillas(model, ids, mask, slots=slots, wide=wide)
 
 
 @needs_static_loop
@@ -181,12 +187,7 @@ def test_a_rotary_family_runs_a_mask_as_wide_as_the_slots_as_vanilla(batch, slot
     first step: every step's logits are vanilla's, bit for bit (the first step was refused, 4.57 and later)."""
     model = tiny_model("llama", seed=0, dtype=torch.float32)
     ids, mask = batch
-    patched, plain = [], []
-    static_loop(model, model, ids, mask, 5, slots=slots, wide=wide, logits=patched)
-    with neofix.unpatched():
-        static_loop(model, model, ids, mask, 5, slots=slots, wide=wide, logits=plain)
-    for mine, theirs in zip(patched, plain, strict=True):
-        assert torch.equal(mine, theirs)
+    assert_every_step_is_vanillas(model, ids, mask, slots=slots, wide=wide)
 
 
 @needs_static_loop

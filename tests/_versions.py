@@ -28,6 +28,7 @@ FEATURES = {
         (4, 45),
         "up to 4.44 each GPT-Neo attention layer gets its own (key, value) pair; from 4.45 the whole Cache object",
     ),
+    "OPT static caches": ((4, 49), "OPT's decoder takes a StaticCache from transformers 4.49 (before, it subscripts it)"),
     "cache layer objects": (
         (4, 56),
         "transformers 4.56 made Cache objects hold one layer object (DynamicLayer) per layer; before, key lists",

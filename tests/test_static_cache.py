@@ -190,6 +190,23 @@ def test_a_rotary_family_runs_a_mask_as_wide_as_the_slots_as_vanilla(batch, slot
     assert_every_step_is_vanillas(model, ids, mask, slots=slots, wide=wide)
 
 
+@requires("OPT static caches")
+@pytest.mark.parametrize("wide", ["slots", "allocated"])
+@pytest.mark.parametrize("slots", [False, True], ids=["transformers' slots", "cache_position given"])
+def test_opt_runs_a_mask_as_wide_as_the_slots_where_vanilla_fails(batch, slots, wide):
+    """OPT derives its positions from every column of the mask it is given, less the cache's tokens, so a mask wider
+    than the tokens so far fails inside transformers (``The size of tensor a (6) must match the size of tensor b
+    (16)``).  Read by slot, its first columns are the tokens so far: OPT is given those, and derives its own positions
+    from them (left-padded rows included): the reference tokens, on the CPU, where the cache's length is read from
+    the slots."""
+    model = tiny_model("opt", seed=0, dtype=torch.float32)
+    ids, mask = batch
+    with neofix.unpatched(), pytest.raises(RuntimeError, match="must match the size"):
+        static_loop(model, model, ids, mask, slots=slots, wide=wide)
+    got = static_loop(model, model, ids, mask, slots=slots, wide=wide)
+    assert torch.equal(got, reference(model, ids, mask))
+
+
 @needs_static_loop
 def test_within_the_window_a_static_loop_is_vanillas_bit_for_bit():
     """Where transformers' own window is right (no more slots than the window), the repaired attention computes

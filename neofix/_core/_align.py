@@ -93,6 +93,9 @@ def align(
     mask = passed
     if mask_2d and total is not None and mask.shape[-1] > total:  # a static cache's slots (_read_by_slot): its
         mask = mask[:, :total]  # first columns are the tokens so far (the slots past them are empty)
+        if policy.positions is Positions.MASK and step.position_ids is None:  # the model derives positions from
+            passed = mask  # every column it is given (OPT: cumsum over them, less the cache): give it the tokens so far
+            repairs.append(Repair(MASK_SLICED, ""))
     token_types, cache_position = align_side_inputs(step, new, total, strict, repairs)
     cache_position = settle_cache_position(cache_position, cache.length, new, policy, repairs)
     first = step.input_ids if step.input_ids is not None else step.inputs_embeds

@@ -40,8 +40,9 @@ class Positions(enum.Enum):
 
     * ``ABSOLUTE`` (GPT-Neo, GPT-2): looked up in a table, so their values matter on their own.  Missing ones are
       derived from the mask; given ones are compared with the mask's; stale ones are derived again.
-    * ``MASK`` (OPT): absolute, but the model derives missing ones from the mask itself.  Given ones are compared
-      with the mask's; stale ones are dropped (the model derives them).
+    * ``MASK`` (OPT): absolute, but the model derives missing ones from the mask itself, from every column it is
+      given.  Given ones are compared with the mask's; stale ones are dropped (the model derives them); a static
+      cache's mask read by slot is passed on as its tokens so far, where their count is known.
     * ``ROTARY`` (GPT-J, CodeGen, GPT-NeoX, Llama and the modern decoders): only differences matter, so
       transformers' own positions (which count left padding) are as right as the mask's, and a cache built with
       either must be continued with the same: missing positions are left to the model; given ones are left as they

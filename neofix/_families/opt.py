@@ -8,6 +8,9 @@ Measured with tiny random models, vanilla transformers 4.26 - 5.24:
   table's offset of 2): left padding takes no positions, so a left-padded batch is right without any.  From 4.48 the
   decoder also takes ``position_ids`` (given ones are compared with the mask's; stale ones are dropped and the
   decoder derives them).
+* Over a ``StaticCache`` (4.49 and later) a mask wider than the tokens so far fails inside transformers (the
+  positions derived from every column, less the cache's tokens, outnumber the new tokens): the core gives OPT the
+  tokens so far where their count is known (``Positions.MASK``).
 * The table has ``max_position_embeddings`` rows for real tokens (plus the 2 of the offset): a row of more real
   tokens fails with ``IndexError: index out of range in self``.  Left padding does not count, so whether a step
   overflows depends on the mask's values: neofix sets no limit up front (a padded batch may run past the table in

@@ -27,6 +27,12 @@ _Tensor = torch.Tensor
 _new = tuple.__new__
 
 
+#: A cache that drops old tokens (transformers' ``SinkCache``, 4.36 - 4.52): the tokens it holds are not the tokens
+#: seen, so neither the mask's width nor the positions can be judged against it.  A call over one is passed on as
+#: given (the wrappers step aside).
+EVICTING = CacheView(None, None, None, None, None, None, "evicting")
+
+
 def read(cache: Any, layers: int, key_layout: tuple[int, int, int, int] = BHSD) -> CacheView:
     """What ``cache`` holds for a model of ``layers`` layers; shapes only."""
     cache_layers = getattr(cache, "layers", None)
@@ -132,6 +138,8 @@ def _read_key_cache(cache: Any, layers: int, layout: tuple[int, int, int, int]) 
     get_seq_length = getattr(cache, "get_seq_length", None)
     if get_seq_length is None:
         return CacheView(None, None, None, None, None, None, "unknown")
+    if getattr(cache, "num_sink_tokens", None) is not None:  # SinkCache: it keeps its first tokens and the last ones
+        return EVICTING
     capacity = getattr(cache, "max_cache_len", None)
     lengths: list[int | None] = []
     for i in range(layers):

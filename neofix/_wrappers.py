@@ -102,6 +102,8 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
             _reports.poll()  # position reports of earlier steps, read once their copies have landed (never waiting)
         limits = model_limits(self, adapter) if eager else adapter.limits(self.config)  # (compiled: constants)
         view = _read_cache(self, call, adapter, eager)
+        if view is _caches.EVICTING:  # (SinkCache: nothing can be judged against it)
+            return original(self, **call)
         step = _step_inputs(call, view)
         try:
             kept, aligned = _judge(step, view, limits, call, adapter, eager)
@@ -116,11 +118,7 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
             return original(self, **call)
         _apply(aligned, call, takes_positions)
         if eager:
-            _reports.warn_repairs(aligned.repairs)
-            if aligned.report is not None:
-                _reports.deliver(aligned.report)
-            if _reports.listeners:
-                _reports.emit(_step_info(self, aligned, view, step.attention_mask))
+            _report(self, aligned, view, step.attention_mask)
         return _call(original, self, call, view, adapter, aligned.right_padded)
         _a = _b = _c = _d = _e = _f = _g = _h = _i = _j = _k = None  # _FX_ROOM: never runs (see above)
 
@@ -141,7 +139,7 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
     if cache is None and adapter.held_cache is not None:
         cache = adapter.held_cache(model)  # read only: the call is passed on without it, as the layers expect
     view = NO_CACHE if cache is None else adapter.read_cache(cache, adapter.layers(model))
-    if eager:
+    if eager and view is not _caches.EVICTING:
         adapter.check_step(model, view, call)
         if _RIGHT_PADDED and view.length != 0:
             _check_right_padding(call)
@@ -220,6 +218,16 @@ def _apply(aligned: Aligned, call: dict, takes_positions: bool) -> None:
         call["token_type_ids"] = aligned.token_type_ids
     if "cache_position" in call:
         call["cache_position"] = aligned.cache_position
+
+
+def _report(model: Any, aligned: Aligned, view: CacheView, given_mask: Any) -> None:
+    """Say what alignment repaired (each kind once), deliver a decode step's position report (read once it lands),
+    and tell the trace listeners about the step."""
+    _reports.warn_repairs(aligned.repairs)
+    if aligned.report is not None:
+        _reports.deliver(aligned.report)
+    if _reports.listeners:
+        _reports.emit(_step_info(model, aligned, view, given_mask))
 
 
 def _step_info(model: Any, aligned: Aligned, view: CacheView, given_mask: Any) -> StepInfo:

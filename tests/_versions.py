@@ -152,6 +152,7 @@ FEATURES.update(
             "GPTNeoForSequenceClassification pools the last token of a left-padded row from transformers 4.36 on "
             "(before, it pooled the token at index count(non-pad) - 1, right padding only)",
         ),
+        "sink caches": ((0, 0), "transformers.SinkCache exists from 4.36 to 4.52"),
         "onnx": ((0, 0), "torch.onnx.export needs the onnx package (pip install 'transformers-neofix[test]')"),
         "onnxscript": (
             (0, 0),
@@ -187,6 +188,7 @@ PROBES = {
     "GPTNeoForQuestionAnswering": lambda: hasattr(transformers, "GPTNeoForQuestionAnswering"),
     "GPTNeoForTokenClassification": lambda: hasattr(transformers, "GPTNeoForTokenClassification"),
     "cache layer objects": lambda: _dynamic_layer() is not None,
+    "sink caches": lambda: hasattr(transformers, "SinkCache"),
     "onnx": lambda: _importable("onnx"),
     "onnxscript": lambda: _importable("onnx", "onnxscript"),
     "onnxruntime": lambda: _importable("onnxruntime"),

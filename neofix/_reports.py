@@ -91,7 +91,7 @@ def deliver(report: Any) -> None:
     wrong = report.wrong
     if in_host_memory(wrong):
         if wrong.any():  # CPU memory: reading it waits for nothing
-            _warn_positions(wrong, report.given, report.derived, report.past, report.from_mask)
+            _warn_positions(wrong, report.given, report.derived, report.past, report.truth)
         return
     packed = torch.stack(
         [
@@ -108,7 +108,7 @@ def deliver(report: Any) -> None:
     event.record()
     host._neofix_host_copy = True  # what tests' synchronisation counters may read
     with _pending_lock:
-        pending.append((event, host, report.past, report.from_mask))
+        pending.append((event, host, report.past, report.truth))
 
 
 def poll() -> None:
@@ -117,22 +117,22 @@ def poll() -> None:
         with _pending_lock:
             if not pending or not pending[0][0].query():
                 return
-            _, host, past, from_mask = pending.pop(0)
+            _, host, past, truth = pending.pop(0)
         wrong, given, derived = host.tolist()  # host memory, already written: no synchronisation
         if any(wrong):
             from ._core._types import POSITION_VALUES
             from ._core._values import describe_position, repaired_message
 
             row = wrong.index(1)
-            described = describe_position(row, 0, given[row], derived[row], past, from_mask)
-            warn_once(POSITION_VALUES, repaired_message(described, from_mask))
+            described = describe_position(row, 0, given[row], derived[row], past, truth)
+            warn_once(POSITION_VALUES, repaired_message(described, truth))
 
 
-def _warn_positions(wrong: Any, given: Any, derived: Any, past: int | None, from_mask: bool) -> None:
+def _warn_positions(wrong: Any, given: Any, derived: Any, past: int | None, truth: str) -> None:
     from ._core._types import POSITION_VALUES
     from ._core._values import describe_wrong, repaired_message
 
-    warn_once(POSITION_VALUES, repaired_message(describe_wrong(wrong, given, derived, past, from_mask), from_mask))
+    warn_once(POSITION_VALUES, repaired_message(describe_wrong(wrong, given, derived, past, truth), truth))
 
 
 def _event(device: Any) -> Any:

@@ -113,13 +113,13 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
                 raise  # refused on the model as it is
             kept, aligned = _judge(step, view, fresh, call, adapter, eager)  # its config was edited since: again
         if kept:  # the usual step: nothing to change (see keeps_every_rule)
-            return _call(original, self, call, view, adapter)
+            return _call(original, self, call, view, adapter, eager)
         if aligned is None:  # neither input_ids nor inputs_embeds: transformers raises its own error
             return original(self, **call)
         _apply(aligned, call, takes_positions)
         if eager:
             _report(self, aligned, view, step.attention_mask)
-        return _call(original, self, call, view, adapter, aligned.right_padded)
+        return _call(original, self, call, view, adapter, eager, aligned.right_padded)
         _a = _b = _c = _d = _e = _f = _g = _h = _i = _j = _k = None  # _FX_ROOM: never runs (see above)
 
     return _mark(forward)
@@ -143,6 +143,8 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
         adapter.check_step(model, view, call)
         if _RIGHT_PADDED and view.length != 0:
             _check_right_padding(call)
+        if _COLUMNS and view.length and _holds_columns(_cache_key(cache)):
+            return view._replace(columns=True)
     return view
 
 
@@ -244,12 +246,19 @@ def _step_info(model: Any, aligned: Aligned, view: CacheView, given_mask: Any) -
 
 
 def _call(
-    original: Any, model: Any, call: dict, view: CacheView, adapter: Adapter, right_padded: tuple[int, ...] = ()
+    original: Any,
+    model: Any,
+    call: dict,
+    view: CacheView,
+    adapter: Adapter,
+    eager: bool,
+    right_padded: tuple[int, ...] = (),
 ) -> Any:
     """Call transformers' forward once, with the call as aligned.  A bad id or position that no check read
     (single-token decode steps read nothing; on the CPU the lookup is the check) surfaces as the embedding's
     ``IndexError``: name the value instead.  A prefill that ended ``right_padded`` rows in padding marks the cache it
-    returns, so that decoding from it says so."""
+    returns, so that decoding from it says so; a rotary family's prompt marks whether its cache holds transformers'
+    own positions (:func:`_mark_columns`)."""
     try:
         output = original(model, **call)
     except IndexError as exc:
@@ -261,6 +270,8 @@ def _call(
         raise
     if right_padded:
         _mark_right_padded(output, right_padded)
+    if adapter.positions.rotary and eager and (view.length == 0 or view.columns):  # a prompt, or a cache marked
+        _mark_columns(output, view.columns or call.get("position_ids") is None)  # (a legacy tuple is new each step)
     return output
 
 
@@ -324,12 +335,17 @@ def _cache_key(cache: Any) -> Any:
     return cache
 
 
-def _mark_right_padded(output: Any, rows: tuple[int, ...]) -> None:
-    """Remember that the cache this prefill returned holds right-padded rows: if it is decoded from, say so then."""
+def _output_cache(output: Any) -> Any:
+    """The cache a forward returned, or ``None``."""
     cache = _caches.of_output(output)
     if cache is None and isinstance(output, tuple) and len(output) > 1:  # return_dict=False: (hidden, cache, ...)
         cache = output[1]
-    key = _cache_key(cache)
+    return cache
+
+
+def _mark_right_padded(output: Any, rows: tuple[int, ...]) -> None:
+    """Remember that the cache this prefill returned holds right-padded rows: if it is decoded from, say so then."""
+    key = _cache_key(_output_cache(output))
     if key is None:
         return
     try:
@@ -337,6 +353,35 @@ def _mark_right_padded(output: Any, rows: tuple[int, ...]) -> None:
     except TypeError:  # not weakly referenceable: not followed
         return
     _RIGHT_PADDED[id(key)] = (reference, rows)
+
+
+# -- which positions a rotary family's cache holds ---------------------------------------------------------------------
+
+# id(cache, or for a legacy cache its first key) -> weak reference to it: the caches whose prompt was given no
+# position_ids (rotary families), and those continued from them
+_COLUMNS: dict[int, Any] = {}
+
+
+def _mark_columns(output: Any, columns: bool) -> None:
+    """Remember whether the cache a rotary family's prompt returned holds transformers' own positions (it was given no
+    ``position_ids``: each token's is its column, left padding counted), so that positions given after it are judged
+    against those alone (:func:`~neofix._core._values.rotary_truth`); a step after such a cache marks the one it
+    returns (a legacy tuple is a new object at every step)."""
+    key = _cache_key(_output_cache(output))
+    if key is None:
+        return
+    if not columns:
+        _COLUMNS.pop(id(key), None)  # (a cache used again from its start, given positions this time)
+    elif not _holds_columns(key):
+        try:
+            _COLUMNS[id(key)] = weakref.ref(key, lambda _, k=id(key): _COLUMNS.pop(k, None))
+        except TypeError:  # not weakly referenceable: not followed
+            pass
+
+
+def _holds_columns(key: Any) -> bool:
+    reference = _COLUMNS.get(id(key))
+    return reference is not None and reference() is key
 
 
 def _check_right_padding(kwargs: dict) -> None:

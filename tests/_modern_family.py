@@ -11,6 +11,7 @@ each classic mistake is asserted too, so that a release that fixes or changes on
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -275,6 +276,80 @@ def test_positions_that_do_not_advance_are_repaired(lm, scheme):
     assert isinstance(tokens, torch.Tensor), tokens
     assert torch.equal(tokens, expected)
     assert len(messages) == 1 and "does not increment its positions" in messages[0], messages
+
+
+@torch.no_grad()
+def after_a_prompt_given_none(lm, ids, mask, advance, steps=STEPS):
+    """A greedy hand loop whose prompt is given no position_ids (transformers' own: each token's column, left padding
+    counted, which its cache then holds) and whose decode steps pass the mask's positions: advancing (``advance``) or
+    the prompt's last again (a loop that forgets to increment)."""
+    key, cache, full, new, generated = cache_keyword(lm), None, mask, ids, []
+    for step in range(steps):
+        kwargs = dict(input_ids=new, attention_mask=full, use_cache=True)
+        if step:
+            kwargs[key] = cache
+            kwargs["position_ids"] = reference_positions(full if advance else mask)[:, -1:]
+        out = lm(**kwargs)
+        cache, new = output_cache(out), out.logits[:, -1:].argmax(-1)
+        generated.append(new)
+        full = torch.cat([full, full.new_ones(full.shape[0], 1)], -1)
+    return torch.cat(generated, -1)
+
+
+@hand_loop
+@pytest.mark.parametrize("advance", [True, False], ids=["advancing", "not advancing"])
+def test_the_masks_positions_after_a_prompt_given_none_continue_its_cache_by_columns(lm, advance):
+    """The prompt given no positions, its cache holds transformers' own (a left-padded row's real tokens at their
+    columns); decode steps that pass the mask's positions (the two schemes mixed) are off by the row's pads: vanilla's
+    tokens are wrong.  neofix saw the prompt, so it knows which positions the cache holds, and continues them: the
+    reference tokens, said once.  (The mask's positions that do not advance were repaired to the mask's before: wrong.)"""
+    ids, mask = left_padded_batch(ROWS)
+    expected = reference(lm, ids, mask)
+    plain = vanilla(lambda: after_a_prompt_given_none(lm, ids, mask, advance))
+    assert isinstance(plain, torch.Tensor) and not torch.equal(plain, expected)
+    tokens, messages = run(lambda: after_a_prompt_given_none(lm, ids, mask, advance))
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, expected)
+    assert len(messages) == 1 and "the cache holds transformers' own positions" in messages[0], messages
+
+
+@torch.no_grad()
+def mask_positions_loop(lm, ids, mask, cache, prompt_positions, steps=4):
+    """Each step's logits of a greedy hand loop passing the mask's positions at every step but, unless
+    ``prompt_positions``, the prompt's; ``cache``: the one to start from (``None``: the model's own)."""
+    key, full, new, logits = cache_keyword(lm), mask, ids, []
+    for step in range(steps):
+        kwargs = dict(input_ids=new, attention_mask=full, use_cache=True)
+        if cache is not None:
+            kwargs[key] = cache
+        if step or prompt_positions:
+            kwargs["position_ids"] = reference_positions(full)[:, -new.shape[1]:]
+        out = lm(**kwargs)
+        cache, new = output_cache(out), out.logits[:, -1:].argmax(-1)
+        logits.append(out.logits)
+        full = torch.cat([full, full.new_ones(full.shape[0], 1)], -1)
+    return logits, cache
+
+
+@hand_loop
+def test_a_cache_used_again_forgets_which_positions_its_last_prompt_was_given(lm):
+    """A cache whose prompt was given no positions holds transformers' own, and the mask's are repaired to them after
+    it; reset and used again by a prompt given the mask's, it holds the mask's: the same loop then
+    computes what vanilla computes, bit for bit."""
+    ids, mask = left_padded_batch(ROWS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", neofix.NeofixWarning)
+        _, cache = mask_positions_loop(lm, ids, mask, None, prompt_positions=False)
+    if not hasattr(cache, "reset"):
+        pytest.skip(f"transformers {TF}: the model's own cache has no reset() (a legacy tuple, or before 4.56)")
+    cache.reset()
+    if cache.get_seq_length() != 0:
+        pytest.skip(f"transformers {TF}: reset() zeroes the cache's keys but keeps them: it cannot be used again")
+    patched, _ = mask_positions_loop(lm, ids, mask, cache, prompt_positions=True)
+    with neofix.unpatched():
+        plain, _ = mask_positions_loop(lm, ids, mask, None, prompt_positions=True)
+    for mine, theirs in zip(patched, plain, strict=True):
+        assert torch.equal(mine, theirs)
 
 
 @hand_loop

@@ -53,6 +53,34 @@ def test_rotary_positions_after_a_cache_keep_either_scheme_and_repair_the_rest(g
     assert aligned.repairs == ()
 
 
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ([[3], [3], [3]], [[3], [3], [3]]),  # the column: kept
+        ([[3], [1], [2]], [[3], [3], [3]]),  # the mask's, which this cache does not hold: the column
+        ([[2], [0], [1]], [[3], [3], [3]]),  # not advanced, per row: the column (not the mask's)
+    ],
+)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_rotary_positions_after_a_cache_of_transformers_own_continue_its_columns(given, expected, on_device):
+    """A cache whose prompt was given no positions holds transformers' own (each token's column): only those continue
+    it, so the mask's positions, right after a cache built with them, are repaired to the columns on left-padded rows,
+    and so are positions that do not advance."""
+    from ._sync import device_reads
+
+    with device_reads(on_device):
+        aligned = align(_step(torch.tensor(given)), _cache(3)._replace(columns=True), LIMITS, ROTARY)
+    assert torch.broadcast_to(aligned.position_ids, (3, 1)).tolist() == expected
+    if on_device or given != expected:
+        assert aligned.report.truth == "columns"
+        assert torch.broadcast_to(aligned.report.derived, (3, 1)).tolist() == [[3], [3], [3]]
+    strict = Policy(strict=True, positions=Positions.ROTARY)
+    if given != expected:
+        with pytest.raises(PositionError, match=r"^position_ids\[(\d), 0\] is \d at the step after 3 cached tokens, "
+                           r"but the cache holds transformers' own positions, so that real token of row \1 is at position 3"):
+            align(_step(torch.tensor(given)), _cache(3)._replace(columns=True), LIMITS, strict)
+
+
 def test_a_rotary_chunk_after_a_cache_is_read_and_repaired_at_once():
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
     aligned = align(_step(torch.tensor([[1, 1], [0, 0]]), mask, new=2, batch=2), _cache(3, 2), LIMITS, ROTARY)

@@ -326,10 +326,10 @@ def test_the_words_for_a_wrong_position_name_the_cache_only_where_its_length_is_
     tokens" in the words for a wrong position; a known length is named."""
     from neofix._core._values import describe_position
 
-    assert describe_position(1, 0, 3, 5, None, True) == (
+    assert describe_position(1, 0, 3, 5, None, "mask") == (
         "position_ids[1, 0] is 3, but the attention mask puts that real token of row 1 at position 5"
     )
-    assert describe_position(0, 2, 9, 6, 4, False) == (
+    assert describe_position(0, 2, 9, 6, 4, "count") == (
         "position_ids[0, 2] is 9 at the step after 4 cached tokens, but with no attention mask every token is real, "
         "so that token is at position 6"
     )

@@ -106,7 +106,7 @@ def align(
     )
     values = ValueStep(
         step.input_ids, token_types, positions, given, mask if mask_2d else None, model_mask, new, cache.length,
-        cache_position,
+        cache_position, cache.columns,
     )
     settled = settle(values, limits, policy, repairs, facts)
     if past_the_table is not None:  # more tokens than the table, where it bounds positions alone: they decide
@@ -260,7 +260,7 @@ def cache_problem(cache: CacheView, batch: int, new: int, limits: Limits) -> Neo
     heads, layers of different lengths, or more tokens than the position table holds (where the table bounds only
     positions, a left-padded step may still fit: see :func:`check_cache`)."""
     # Unpacked at once: a named field costs a lookup each.
-    past, rows, lengths, _, heads, head_dim, _ = cache
+    past, rows, lengths, _, heads, head_dim, _, _ = cache
     max_positions, _, _, model_heads, model_head_dim, _ = limits
     if rows is not None and rows != batch:
         return BatchMismatchError(

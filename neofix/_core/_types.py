@@ -46,8 +46,9 @@ class Positions(enum.Enum):
     * ``ROTARY`` (GPT-J, CodeGen, GPT-NeoX, Llama and the modern decoders): only differences matter, so
       transformers' own positions (which count left padding) are as right as the mask's, and a cache built with
       either must be continued with the same: missing positions are left to the model; given ones are left as they
-      are where they are either scheme's, and after a cache repaired where they are neither (positions that do not
-      advance, see :func:`~neofix._core._values.rotary_truth`); stale ones cannot be told apart from either scheme:
+      are where they are either scheme's (only the columns' after a cache that holds transformers' own:
+      ``CacheView.columns``), and after a cache repaired where they are not (positions that do not advance, see
+      :func:`~neofix._core._values.rotary_truth`); stale ones cannot be told apart from either scheme:
       an error.
     * ``NONE`` (BLOOM, ALiBi): the model takes no positions; they are left alone.
     """
@@ -88,6 +89,9 @@ class CacheView(NamedTuple):
     heads: int | None
     head_dim: int | None
     layout: str
+    #: Whether its tokens hold transformers' own positions, each its column (left padding counted): a rotary family's
+    #: prompt given no ``position_ids`` built it, as its caller saw (``False``: not known).
+    columns: bool = False
 
 
 NO_CACHE = CacheView(0, None, None, None, None, None, "none")
@@ -150,7 +154,7 @@ class Report(NamedTuple):
     given: Any
     derived: Any
     past: int | None
-    from_mask: bool = True  # derived from the attention mask (else: no mask, positions continue after the cache)
+    truth: str = "mask"  # what ``derived`` was taken from: see :func:`~neofix._core._values.describe_position`
 
 
 class Repair(NamedTuple):

@@ -46,7 +46,8 @@ class ValueStep(NamedTuple):
     """What the value rules work on, after the shape rules (:mod:`._align`).  ``positions``: the caller's
     (``given``), ``None``, or positions made from shapes (``given`` False: stale ones replaced without a mask);
     ``mask``: the aligned 2D mask or ``None``; ``model_mask``: a 3D or 4D mask was given (positions are then never
-    compared with or derived from a mask); ``past``: cached tokens (``None``: not known)."""
+    compared with or derived from a mask); ``past``: cached tokens (``None``: not known); ``columns``: the cache holds
+    transformers' own positions (:class:`~._types.CacheView`)."""
 
     input_ids: Any
     token_types: Any
@@ -57,6 +58,7 @@ class ValueStep(NamedTuple):
     new: int
     past: int | None
     cache_position: Any
+    columns: bool = False
 
 
 class Settled(NamedTuple):
@@ -157,23 +159,30 @@ def _empty(tensor: Any) -> bool:
     return tensor is not None and not tensor.numel()
 
 
-def rotary_truth(positions: torch.Tensor, mask: Any, new: int, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_truth(
+    positions: torch.Tensor, mask: Any, new: int, past: int, columns: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(target, wrong)`` for rotary positions given after a cache of ``past`` tokens (computed on the device).
 
     Only differences matter, so a cache built with transformers' own positions (a token's column, counting left
     padding) and one built with the mask's (real tokens before it) are both right, and a step continues either: the
     given positions are right when every real token's is its column's, or every one's is the mask's.  Else (a loop
     that does not advance its positions, or passes the same one at every step) the real tokens whose position is not
-    ``target``'s are ``wrong``, ``target`` being the scheme the rows agree on: one position shared by rows whose mask positions differ counts columns (a shared ``arange``); else the
-    mask's (per row, as generate builds them).  Without a mask every token is real and both schemes are the column.
+    ``target``'s are ``wrong``, ``target`` being the scheme the rows agree on: one position shared by rows whose mask
+    positions differ counts columns (a shared ``arange``); else the mask's (per row, as generate builds them).
+    Without a mask every token is real and both schemes are the column.  Where the cache is known to hold
+    transformers' own positions (``columns``: its prompt was given none), only they continue it: ``target`` is the
+    column, and the mask's positions are wrong too where they differ from it (a left-padded row).
     """
     column = torch.arange(past, past + new, device=positions.device).unsqueeze(0)
     if positions.dim() == 1:  # one row for every row
         positions = positions.unsqueeze(0)
     if mask is None:
         return column, positions != column
-    derived = mask.long().cumsum(-1)[:, -new:] - 1
     real = mask[:, -new:] != 0
+    if columns:
+        return column, real & (positions != column)
+    derived = mask.long().cumsum(-1)[:, -new:] - 1
     either = (~real | (positions == column)).all() | (~real | (positions == derived)).all()  # one scheme, every row
     shared = (positions == positions[:1]).all() & (derived != derived[:1]).any()
     target = torch.where(shared, column, derived)
@@ -184,16 +193,17 @@ def _settle_rotary(step: ValueStep, policy: Policy, decode: bool, repairs: list[
     """Rotary positions given after a cache: repaired where they are neither scheme's (:func:`rotary_truth`); on a
     decode step on the device without a read (a :class:`Report` for the caller), else read at once (strict:
     :class:`PositionError`)."""
-    positions, mask, past = step.positions, step.mask, step.past
-    if not policy.compiling and on_host(positions, mask) and _either_scheme(positions, mask, step.new, past):
+    positions, mask, past, columns = step.positions, step.mask, step.past, step.columns
+    if not policy.compiling and on_host(positions, mask) and _either_scheme(positions, mask, step.new, past, columns):
         return positions, None  # read on the host (a list scan: nothing to wait for), and right: nothing to do
-    target, wrong = rotary_truth(positions, mask, step.new, past)  # type: ignore[arg-type]
+    target, wrong = rotary_truth(positions, mask, step.new, past, columns)  # type: ignore[arg-type]
+    truth = BY_COUNT if mask is None else BY_COLUMNS if columns else BY_MASK
     if policy.compiling or (decode and not policy.check_values and not policy.strict):
         repaired = torch.where(wrong, target, positions)
-        return repaired, None if policy.compiling else Report(wrong, positions, target, past, mask is not None)
+        return repaired, None if policy.compiling else Report(wrong, positions, target, past, truth)
     if not bool(wrong.any()):
         return positions, None
-    return _repair_cached(positions, target, wrong, past, mask is not None, policy.strict, repairs), None
+    return _repair_cached(positions, target, wrong, past, truth, policy.strict, repairs), None
 
 
 def on_host(positions: Any, mask: Any) -> bool:
@@ -202,9 +212,9 @@ def on_host(positions: Any, mask: Any) -> bool:
     return _reads.reader_for(Question(None, None, positions, False, False, mask, 0, None, None)) is _reads.read_on_host
 
 
-def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int) -> bool:
-    """:func:`rotary_truth`'s "right" on the host: every real token's given position is its column's, or every one's
-    is the mask's (list scans of the positions and the mask)."""
+def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, columns: bool) -> bool:
+    """:func:`rotary_truth`'s "right" on the host: every real token's given position is its column's, or (unless the
+    cache holds ``columns``) every one's is the mask's (list scans of the positions and the mask)."""
     given = positions.tolist()
     if positions.dim() == 1:
         given = [given]
@@ -214,7 +224,7 @@ def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int) -> b
     rows = mask.tolist()
     if len(given) == 1:
         given = given * len(rows)
-    as_columns = as_mask = True
+    as_columns, as_mask = True, not columns
     for row, values in zip(rows, given):
         before = sum(row[:-new]) if len(row) > new else 0
         for value, flag, at in zip(values, row[-new:], column):
@@ -320,7 +330,8 @@ def _positions_from(
     if compare and facts.wrong:
         derived, real = step_truth(mask, step.new, step.past, step.positions, step.cache_position)  # type: ignore[misc]
         wrong = real & (step.positions != derived)
-        return _repair_cached(step.positions, derived, wrong, step.past, mask is not None, policy.strict, repairs)
+        truth = BY_MASK if mask is not None else BY_COUNT
+        return _repair_cached(step.positions, derived, wrong, step.past, truth, policy.strict, repairs)
     if compare and facts.counts_pads:
         return _repair_counted_padding(step.positions, mask, facts.counts_pads, policy.strict, repairs)
     # (derive, with left padding: without it every real token sits at its column, and transformers' own are right)
@@ -350,7 +361,7 @@ def _repaired_on_device(positions: torch.Tensor, mask: Any, past: int | None, sl
     derived, real = truth
     wrong = real & (positions != derived)
     repaired = torch.where(wrong, derived, positions)
-    return Settled(repaired, Report(wrong, positions, derived, past, mask is not None), ())
+    return Settled(repaired, Report(wrong, positions, derived, past, BY_MASK if mask is not None else BY_COUNT), ())
 
 
 def _positions_on_device(step: ValueStep, compare: bool, derive: bool) -> Any:
@@ -420,43 +431,57 @@ def _repair_cached(
     derived: torch.Tensor,
     wrong: torch.Tensor,
     past: int | None,
-    from_mask: bool,
+    truth: str,
     strict: bool,
     repairs: list[Repair],
 ) -> torch.Tensor:
-    described = describe_wrong(wrong, positions, derived, past, from_mask)
+    described = describe_wrong(wrong, positions, derived, past, truth)
     if strict:
-        raise PositionError(f"{described}: {_FIX_VALUES}")
-    repairs.append(Repair(POSITION_VALUES, repaired_message(described, from_mask)))
+        raise PositionError(f"{described}: {_FIXES[truth]}")
+    repairs.append(Repair(POSITION_VALUES, repaired_message(described, truth)))
     return torch.where(wrong, derived, positions)
 
 
 def describe_wrong(
-    wrong: torch.Tensor, given: torch.Tensor, derived: torch.Tensor, past: int | None, from_mask: bool = True
+    wrong: torch.Tensor, given: torch.Tensor, derived: torch.Tensor, past: int | None, truth: str = "mask"
 ) -> str:
     """Words for the first wrong position of a cached step (reads a few values: an error or a one-time warning)."""
     row, column = (int(i) for i in wrong.nonzero()[0])
     value = int(torch.broadcast_to(given, wrong.shape)[row, column])
     expected = int(torch.broadcast_to(derived, wrong.shape)[row, column])
-    return describe_position(row, column, value, expected, past, from_mask)
+    return describe_position(row, column, value, expected, past, truth)
 
 
-def describe_position(row: int, column: int, value: int, expected: int, past: int | None, from_mask: bool) -> str:
+#: What a repaired position after a cache is taken from (its ``truth``): the attention mask; the columns of a cache
+#: that holds transformers' own positions (a rotary prompt given none); or, with no mask, the count of tokens.
+BY_MASK, BY_COLUMNS, BY_COUNT = "mask", "columns", "count"
+_FIXES = {
+    BY_MASK: _FIX_VALUES,
+    BY_COLUMNS: "the prompt was given no position_ids, so transformers gave each token its column (left padding "
+    "counted), and only those continue its cache: pass none at any step, or the mask's from the prompt on",
+    BY_COUNT: _FIX_VALUES,
+}
+_CAUSES = {
+    BY_MASK: "arange over a left-padded batch, or a loop that does not increment its positions?",
+    BY_COLUMNS: "the mask's positions after a prompt given none, or a loop that does not increment its positions?",
+    BY_COUNT: "arange over a left-padded batch, or a loop that does not increment its positions?",
+}
+
+
+def describe_position(row: int, column: int, value: int, expected: int, past: int | None, truth: str) -> str:
     after = "" if past is None else f" at the step after {past} cached tokens"
-    truth = (
-        f"the attention mask puts that real token of row {row} at position {expected}"
-        if from_mask
-        else f"with no attention mask every token is real, so that token is at position {expected}"
-    )
-    return f"position_ids[{row}, {column}] is {value}{after}, but {truth}"
+    if truth == BY_MASK:
+        why = f"the attention mask puts that real token of row {row} at position {expected}"
+    elif truth == BY_COLUMNS:
+        why = f"the cache holds transformers' own positions, so that real token of row {row} is at position {expected}"
+    else:
+        why = f"with no attention mask every token is real, so that token is at position {expected}"
+    return f"position_ids[{row}, {column}] is {value}{after}, but {why}"
 
 
-def repaired_message(described: str, from_mask: bool = True) -> str:
-    used = "the mask's positions" if from_mask else "positions continuing after the cache"
-    return (
-        f"neofix: {described} (arange over a left-padded batch, or a loop that does not increment its positions?); "
-        f"used {used}. To fix your loop: {_FIX_VALUES}. Reported once."
-    )
+def repaired_message(described: str, truth: str = BY_MASK) -> str:
+    used = {BY_MASK: "the mask's positions", BY_COLUMNS: "the columns", BY_COUNT: "positions continuing after the cache"}
+    return f"neofix: {described} ({_CAUSES[truth]}); used {used[truth]}. To fix your loop: {_FIXES[truth]}. Reported once."
 
 
 def _repair_counted_padding(

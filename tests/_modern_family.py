@@ -334,20 +334,26 @@ def mask_positions_loop(lm, ids, mask, cache, prompt_positions, steps=4):
 @hand_loop
 def test_a_cache_used_again_forgets_which_positions_its_last_prompt_was_given(lm):
     """A cache whose prompt was given no positions holds transformers' own, and the mask's are repaired to them after
-    it; reset and used again by a prompt given the mask's, it holds the mask's: the same loop then
-    computes what vanilla computes, bit for bit."""
+    it; reset and used again by a prompt given the mask's, it holds the mask's: the same loop then computes what
+    vanilla computes, bit for bit."""
     ids, mask = left_padded_batch(ROWS)
+
+    def used_again():
+        _, cache = mask_positions_loop(lm, ids, mask, None, prompt_positions=False)
+        if not hasattr(cache, "reset"):
+            pytest.skip(f"transformers {TF}: the model's own cache has no reset() (a legacy tuple, or before 4.56)")
+        cache.reset()
+        if any(cache.get_seq_length(layer) for layer in range(lm.config.num_hidden_layers)):
+            pytest.skip(f"transformers {TF}: reset() zeroes the cache's keys but keeps them: it cannot be used again")
+        return mask_positions_loop(lm, ids, mask, cache, prompt_positions=True)[0]
+
+    with neofix.unpatched():
+        plain = run(used_again)[0]
+    if not isinstance(plain, list):
+        pytest.skip(f"transformers {TF}: a reset cache fails inside transformers, vanilla too ({plain!r:.80})")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", neofix.NeofixWarning)
-        _, cache = mask_positions_loop(lm, ids, mask, None, prompt_positions=False)
-    if not hasattr(cache, "reset"):
-        pytest.skip(f"transformers {TF}: the model's own cache has no reset() (a legacy tuple, or before 4.56)")
-    cache.reset()
-    if cache.get_seq_length() != 0:
-        pytest.skip(f"transformers {TF}: reset() zeroes the cache's keys but keeps them: it cannot be used again")
-    patched, _ = mask_positions_loop(lm, ids, mask, cache, prompt_positions=True)
-    with neofix.unpatched():
-        plain, _ = mask_positions_loop(lm, ids, mask, None, prompt_positions=True)
+        patched = used_again()
     for mine, theirs in zip(patched, plain, strict=True):
         assert torch.equal(mine, theirs)
 

@@ -176,6 +176,15 @@ def _static_caches() -> bool:
     return getattr(GPTNeoPreTrainedModel, "_supports_static_cache", True) is not False and TF_RELEASE >= (4, 54)
 
 
+def _sink_caches() -> bool:
+    """Whether transformers' ``SinkCache`` runs (4.36 - 4.52; 4.53 and later keep a stub that raises)."""
+    try:
+        transformers.SinkCache(window_length=4, num_sink_tokens=1)
+    except (AttributeError, NotImplementedError):
+        return False
+    return True
+
+
 FEATURES["static caches"] = (
     (0, 0),
     "generate(cache_implementation='static') works for GPT-Neo from transformers 4.54 (before, it is refused)",
@@ -188,7 +197,7 @@ PROBES = {
     "GPTNeoForQuestionAnswering": lambda: hasattr(transformers, "GPTNeoForQuestionAnswering"),
     "GPTNeoForTokenClassification": lambda: hasattr(transformers, "GPTNeoForTokenClassification"),
     "cache layer objects": lambda: _dynamic_layer() is not None,
-    "sink caches": lambda: hasattr(transformers, "SinkCache"),
+    "sink caches": lambda: _sink_caches(),
     "onnx": lambda: _importable("onnx"),
     "onnxscript": lambda: _importable("onnx", "onnxscript"),
     "onnxruntime": lambda: _importable("onnxruntime"),

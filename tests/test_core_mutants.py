@@ -377,3 +377,153 @@ def test_only_positions_looked_up_in_a_table_are_compared_with_the_mask():
         aligned = align(step, _cache(2), LIMITS, Policy(positions=kind))
         got = aligned.position_ids.tolist() if aligned.position_ids is not None else None
         assert got == expected, (kind, given)
+
+
+# -- a static cache read by its slots (benchmarks/MUTATION.md, "Static caches read by their slots") --------------------
+
+SO_FAR = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])  # five tokens so far, left-padded rows
+
+
+def _static(length=None, capacity=8) -> CacheView:
+    return CacheView(length, 3, None, capacity, 4, 8, "static")
+
+
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "compiling"])
+@pytest.mark.parametrize("positions", ["none", "right", "wrong"])
+@pytest.mark.parametrize("new", [1, 2])
+@pytest.mark.parametrize("empty", [0, 1], ids=["empty slots zeros", "empty slots ones"])
+def test_a_static_step_read_by_slot_on_the_device_gets_the_positions_of_the_tokens_so_far(empty, new, positions,
+                                                                                        compiling):
+    """A static cache whose length is not known (its slots on an accelerator, or inside torch.compile), a mask as wide
+    as its 8 slots whose empty slots are zeros or ones (the causal mask hides those): every position, derived,
+    compared or repaired, is the one the same step gets over a dynamic cache of the tokens so far with their mask
+    (the mask's count at each new token's slot, not at its last columns, which count the empty slots' ones)."""
+    from ._sync import device_reads
+
+    past = SO_FAR.shape[1] - new
+    wide = torch.cat([SO_FAR, torch.full((3, 3), empty)], dim=-1)
+    right = (SO_FAR.cumsum(-1) - 1)[:, past:]
+    given = {"none": None, "right": right, "wrong": right + torch.tensor([[0], [5], [0]])}[positions]
+    step = StepInputs(torch.ones(3, new, dtype=torch.long), None, wide, given, None, torch.arange(past, past + new))
+    dynamic = CacheView(past, 3, (past, past), None, 4, 8, "object")
+    policy = Policy(compiling=compiling)
+    with device_reads():
+        got = align(step, _static(), LIMITS, policy)
+        expected = align(step._replace(attention_mask=SO_FAR), dynamic, LIMITS, policy)
+    assert got.attention_mask is wide  # passed on as given: transformers reads it by slot
+    assert torch.equal(got.position_ids, expected.position_ids)
+    assert torch.equal(got.position_ids, right)
+    assert got.repair_kinds == expected.repair_kinds
+
+
+@pytest.mark.parametrize("past, new, mask", [
+    (2, 2, [[1, 1, 1, 0]]),  # a chunk whose last token is a pad
+    (3, 1, [[1, 1, 1, 0]]),  # a decode step feeding a pad
+    (2, 3, [[1, 0, 1, 1, 0]]),
+    (1, 2, [[0, 1, 0], [1, 1, 1]]),
+])
+def test_compiling_gives_a_new_pad_the_position_the_eager_step_gives_it(past, new, mask):
+    """Inside torch.compile, positions of a cached step without ``cache_position`` are derived on the device: a pad
+    among the new tokens keeps transformers' own position (its column) as in the eager step, which leaves it to
+    transformers where no real token needs another (``None``: ``arange(past, past + new)``)."""
+    mask = torch.tensor(mask)
+    step = _step(new, mask, batch=mask.shape[0])
+    eager = align(step, _cache(past, mask.shape[0]), LIMITS, Policy())
+    compiled = align(step, _cache(past, mask.shape[0]), LIMITS, Policy(compiling=True))
+    own = torch.arange(past, past + new).expand(mask.shape[0], new)
+    assert torch.equal(compiled.position_ids, own if eager.position_ids is None else eager.position_ids)
+
+
+def test_the_slots_on_an_accelerator_are_not_read_to_tell_a_static_caches_length():
+    """The new tokens' slots tell a static cache's length only where reading them waits for nothing (CPU memory):
+    slots on an accelerator (``meta`` stands in for one: any read of it fails) leave the length unknown."""
+    from neofix._core._align import length_from_slots
+
+    assert length_from_slots(_static(), torch.tensor([5, 6]), 2, False).length == 5
+    assert length_from_slots(_static(), torch.tensor([5, 6], device="meta"), 2, False).length is None
+
+
+@pytest.mark.parametrize("elsewhere", ["positions", "mask"])
+def test_values_are_read_on_the_host_only_where_the_positions_and_the_mask_both_are_in_cpu_memory(elsewhere):
+    """``on_host`` (the list scans of rotary positions, of ``cache_position``, of a static cache's slots): one of the
+    two tensors on an accelerator (``meta``) and the values are not read on the host, as the reader of the step
+    would not read them there."""
+    from neofix._core._values import on_host
+
+    tensors = {"positions": torch.tensor([[3]]), "mask": torch.ones(1, 4, dtype=torch.long)}
+    assert on_host(tensors["positions"], tensors["mask"]) and on_host(tensors["positions"], None)
+    tensors[elsewhere] = tensors[elsewhere].to("meta")
+    assert not on_host(tensors["positions"], tensors["mask"])
+    assert reader_for(Question(None, None, tensors["positions"], True, False, tensors["mask"], 1, 3)) is read_on_device
+
+
+def test_compiling_reads_no_slot_of_a_static_cache():
+    """Inside torch.compile the slots (``cache_position`` on the CPU) are not read to tell a static cache's length:
+    nothing is read on the host, and the positions are those an eager step gets where the slots are on an
+    accelerator (taken at the slots on the device)."""
+    from ._sync import HostReads, device_reads
+
+    wide = torch.cat([SO_FAR, torch.ones(3, 3, dtype=torch.long)], dim=-1)
+    step = StepInputs(torch.ones(3, 1, dtype=torch.long), None, wide, None, None, torch.tensor([4]))
+    with HostReads() as reads:
+        compiled = align(step, _static(), LIMITS, Policy(compiling=True))
+    assert reads.by_neofix == []
+    with device_reads():
+        eager = align(step, _static(), LIMITS, Policy())
+    assert torch.equal(compiled.position_ids, eager.position_ids)
+
+
+@pytest.mark.parametrize("mask", [[[1, 1, 1, 0], [1, 1, 1, 1]], [[1, 1, 1], [1, 1, 1]]],
+                         ids=["right-padded", "one column short"])
+def test_slots_from_the_first_tell_a_static_cache_is_empty(mask):
+    """A static cache whose length is a tensor (one reset for the next prompt: ``cache.reset()`` on 5.x keeps its
+    layers initialised) and whose new tokens go to slots 0 to 3 holds no tokens: the prompt is aligned as over a
+    fresh static cache, known to be empty (its right-padded rows marked, a mask one column short extended)."""
+    mask = torch.tensor(mask)
+    step = StepInputs(torch.ones(2, 4, dtype=torch.long), None, mask, None, None, torch.arange(4))
+    reset = align(step, CacheView(None, 2, None, 8, 4, 8, "static"), LIMITS, Policy())
+    fresh = align(step, CacheView(0, None, None, 8, None, None, "static"), LIMITS, Policy())
+    assert reset.right_padded == fresh.right_padded and reset.repairs == fresh.repairs
+    assert torch.equal(reset.attention_mask, fresh.attention_mask)
+    assert reset.repairs or reset.right_padded  # (something to align: the cases differ from a cache of unknown length)
+
+
+def test_a_mask_of_other_rows_as_wide_as_the_tokens_so_far_is_refused_over_a_static_cache_too():
+    """A static cache whose length its slots tell, a mask of exactly the tokens so far but of 2 rows for a batch of 3:
+    refused by name, as over a dynamic cache of those tokens."""
+    import neofix
+
+    step = StepInputs(torch.ones(3, 1, dtype=torch.long), None, torch.ones(2, 4, dtype=torch.long), None, None,
+                      torch.tensor([3]))
+    for view in (_static(), CacheView(3, 3, (3, 3), None, 4, 8, "object")):
+        with pytest.raises(neofix.BatchMismatchError, match="attention_mask has 2 rows, but this step feeds 3"):
+            align(step, view, LIMITS, Policy())
+
+
+def test_a_static_cache_of_sliding_window_layers_reads_a_wider_mask_by_slot():
+    """A static cache of sliding-window layers (Mistral, Gemma2, Gemma3 on 5.x: no capacity told, each layer has its
+    own slots), its length told by the slots: a mask wider than the tokens so far is read by slot and passed on as
+    given, its positions those of the tokens so far."""
+    wide = torch.cat([SO_FAR[:, :4], torch.zeros(3, 4, dtype=torch.long)], dim=-1)
+    step = StepInputs(torch.ones(3, 1, dtype=torch.long), None, wide, None, None, torch.tensor([3]))
+    aligned = align(step, _static(capacity=None), LIMITS, Policy())
+    expected = align(step._replace(attention_mask=SO_FAR[:, :4]), CacheView(3, 3, (3, 3), None, 4, 8, "object"),
+                     LIMITS, Policy())
+    assert aligned.attention_mask is wide
+    assert torch.equal(aligned.position_ids, expected.position_ids)
+
+
+def test_align_checks_the_ids_on_the_device_where_no_facts_are_given():
+    """Where the step's values were not read before (no facts), ``align`` reads them itself: on an accelerator the
+    ids' range is read with the rest, and an id past the vocabulary is refused as the first pass refuses it."""
+    import neofix
+    from neofix._core import Positions, keeps_every_rule
+
+    from ._sync import device_reads
+
+    step = _step(3, torch.ones(1, 3, dtype=torch.long))._replace(input_ids=torch.tensor([[5, 96, 7]]))
+    with device_reads(), pytest.raises(neofix.TokenIdError) as first:
+        keeps_every_rule(step, _cache(0), LIMITS, Positions.ABSOLUTE, False, False, False)
+    with device_reads(), pytest.raises(neofix.TokenIdError) as aligned:
+        align(step, _cache(0), LIMITS, Policy())
+    assert str(aligned.value) == str(first.value)

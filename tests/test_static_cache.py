@@ -23,7 +23,7 @@ import torch
 import neofix
 from neofix.testing import reference_greedy, tiny_gpt_neo, tiny_model
 
-from ._versions import DTYPE, cache_keyword, has, requires
+from ._versions import DTYPE, cache_keyword, has, output_cache, requires
 from ._sync import simulated_accelerator
 from .loops import left_padded_batch
 
@@ -385,3 +385,134 @@ def test_static_caches_are_repaired_on_the_releases_that_have_them():
 
     installed = getattr(modeling_gpt_neo.GPTNeoSelfAttention.forward, WINDOW_MARK, False)
     assert installed is has("attention layers get the whole cache")
+
+
+# -- the slots neofix counts where the call gives no cache_position (benchmarks/MUTATION.md, 2026-12-06) ------------
+
+
+@needs_static_loop
+def test_a_left_padded_prompt_gets_over_an_empty_static_cache_the_positions_it_gets_over_a_dynamic_one(model, batch):
+    """No cache_position given: the prompt's slots are the cache's own count (0 for an empty cache) plus its columns.
+    Its real tokens get the mask's positions and its pads transformers' own (their slots: vanilla's positions there),
+    exactly as over a dynamic cache (the positions the model looks up, seen at its position table)."""
+    ids, mask = batch
+    seen = []
+    hook = model.transformer.wpe.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", neofix.NeofixWarning)
+            model(input_ids=ids, attention_mask=mask, **{cache_keyword(model): static_cache(model, ids.shape[0])})
+            model(input_ids=ids, attention_mask=mask, use_cache=True)
+            with neofix.unpatched():
+                model(input_ids=ids, attention_mask=mask, **{cache_keyword(model): static_cache(model, ids.shape[0])})
+    finally:
+        hook.remove()
+    static, dynamic, vanilla = seen
+    assert torch.equal(static, dynamic)
+    pads = mask == 0
+    assert pads.any() and torch.equal(static[pads], vanilla.expand_as(static)[pads])
+
+
+@needs_static_loop
+def test_a_static_loop_fed_inputs_embeds_is_repaired_as_one_fed_input_ids(model, batch):
+    """A hand loop over a static cache feeding ``inputs_embeds`` (no input_ids, no cache_position) with the prompt's
+    mask at every step: the slots are counted from the embeddings' shape as from the ids', the cache's length told,
+    the stale mask extended: the reference tokens, as the same loop feeding input_ids."""
+    ids, mask = batch
+    embed = model.get_input_embeddings()
+
+    def loop(embeds):
+        cache, keyword, fed, new = static_cache(model, ids.shape[0]), cache_keyword(model), ids, []
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", neofix.NeofixWarning)
+            for _ in range(5):
+                inputs = {"inputs_embeds": embed(fed)} if embeds else {"input_ids": fed}
+                out = model(**inputs, attention_mask=mask, use_cache=True, **{keyword: cache})
+                fed = out.logits[:, -1:].argmax(-1)
+                new.append(fed)
+        return torch.cat(new, dim=-1)
+
+    expected = reference(model, ids, mask, 5)
+    assert torch.equal(loop(False), expected)
+    assert torch.equal(loop(True), expected)
+
+
+@needs_static_loop
+@pytest.mark.parametrize("inputs", ["1D input_ids", "neither input_ids nor inputs_embeds"])
+def test_a_static_cache_without_cache_position_changes_no_error_of_a_malformed_call(model, inputs):
+    """Counting a static cache's slots needs the new tokens' count: a call whose inputs have no such dimension (1D
+    input_ids, neofix's InputShapeError) or no inputs at all (transformers' own error) fails as over a dynamic
+    cache."""
+    given = {"input_ids": torch.randint(1, 96, (5,))} if inputs.startswith("1D") else {}
+
+    def error(**cache):
+        with torch.no_grad(), pytest.raises(Exception) as raised:
+            model(attention_mask=torch.ones(1, 5, dtype=torch.long), use_cache=True, **given, **cache)
+        return type(raised.value), str(raised.value)
+
+    dynamic = error()
+    assert error(**{cache_keyword(model): static_cache(model, 1)}) == dynamic
+    if not given:
+        with neofix.unpatched():
+            assert error() == dynamic  # transformers' own
+
+
+@needs_static_loop
+def test_a_chunk_after_a_static_caches_prompt_gets_the_positions_it_gets_after_a_dynamic_cache():
+    """After a left-padded prompt, a chunk of 3 tokens (no cache_position: its slots the cache's count plus 0, 1, 2),
+    its mask of every token so far: the positions the model looks up are those the same chunk gets after a dynamic
+    cache (each real token's count of real tokens before it)."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32, window_size=SLOTS)
+    ids, mask = left_padded_batch([6, 3, 5])
+    chunk = torch.randint(1, 96, (3, 3), generator=torch.Generator().manual_seed(3))
+    full = torch.cat([mask, torch.ones_like(chunk)], dim=-1)
+    seen = []
+    hook = model.transformer.wpe.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", neofix.NeofixWarning)
+            for cache in (static_cache(model, 3), None):
+                given = {cache_keyword(model): cache} if cache is not None else {}
+                out = model(input_ids=ids, attention_mask=mask, use_cache=True, **given)
+                model(input_ids=chunk, attention_mask=full, use_cache=True,
+                      **{cache_keyword(model): cache if cache is not None else output_cache(out)})
+    finally:
+        hook.remove()
+    static, dynamic = seen[1], seen[3]
+    assert torch.equal(static, dynamic)
+    assert torch.equal(dynamic, full.cumsum(-1)[:, -3:] - 1)
+
+
+@needs_static_loop
+def test_a_static_loop_of_a_one_layer_model_is_repaired():
+    """A model of one attention layer (the cache's count read from its only layer), the prompt's mask at every step
+    over a static cache: the stale mask extended, the reference tokens."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32, num_layers=1, attention_types=[[["global"], 1]])
+    ids, mask = left_padded_batch([6, 3, 5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", neofix.NeofixWarning)
+        got = static_loop(model, model, ids, mask, 5, stale_mask=True)
+    assert torch.equal(got, reference(model, ids, mask, 5))
+
+
+@needs_static_loop
+def test_a_static_loop_over_sliding_window_layers_is_repaired():
+    """Mistral (a window of 4): on 5.x its static cache's layers are sliding-window ones, whose count of tokens is a
+    Python int; the prompt's mask at every step, no cache_position: the slots counted from that int tell the cache's
+    length, the stale mask is extended: the reference tokens (within the window)."""
+    model = tiny_model("mistral", seed=0, dtype=torch.float32)
+    ids, mask = left_padded_batch([3, 2], seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", neofix.NeofixWarning)
+        got = static_loop(model, model, ids, mask, 2, stale_mask=True)
+    assert torch.equal(got, reference(model, ids, mask, 2))
+
+
+def test_no_slots_are_counted_for_a_call_whose_cache_does_not_count_them():
+    """``static_slots`` of a call without a cache (Llama 4.38 - 4.40 keeps its static cache on the attention layers,
+    the forward given none) or with one that has no count: ``None`` (the step is then read as given), not an error."""
+    from neofix._caches import static_slots
+
+    assert static_slots(None, 2, "cpu") is None
+    assert static_slots(object(), 2, "cpu") is None
+    assert static_slots(type("Layers", (), {"layers": []})(), 2, "cpu") is None

@@ -488,6 +488,19 @@ def test_slots_from_the_first_tell_a_static_cache_is_empty(mask):
     assert reset.repairs or reset.right_padded  # (something to align: the cases differ from a cache of unknown length)
 
 
+@pytest.mark.parametrize("width", [4, 8], ids=["the tokens so far", "the slots (read by slot)"])
+def test_a_mask_of_other_rows_is_refused_over_a_static_cache_whatever_its_width(width):
+    """A static cache whose length its slots tell, a 2D mask of 2 rows for a batch of 3: refused by name, whether it
+    is as wide as the tokens so far or as the cache's slots (read by slot: it skipped the rows' check and reached
+    transformers, which failed with an ``IndexError``)."""
+    import neofix
+
+    step = StepInputs(torch.ones(3, 1, dtype=torch.long), None, torch.ones(2, width, dtype=torch.long), None, None,
+                      torch.tensor([3]))
+    with pytest.raises(neofix.BatchMismatchError, match="attention_mask has 2 rows, but this step feeds 3"):
+        align(step, _static(), LIMITS, Policy())
+
+
 def test_a_mask_of_other_rows_as_wide_as_the_tokens_so_far_is_refused_over_a_static_cache_too():
     """A static cache whose length its slots tell, a mask of exactly the tokens so far but of 2 rows for a batch of 3:
     refused by name, as over a dynamic cache of those tokens."""

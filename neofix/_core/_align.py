@@ -311,6 +311,9 @@ def align_mask(
         return mask, False  # given, as a 4D mask: the model's own, with layers of different widths)
     dims = mask.dim()
     if dims == 2:
+        problem = mask_rows_problem(mask.shape[0], batch)
+        if problem is not None:
+            raise problem
         if cache.capacity is not None and mask.shape[1] > cache.capacity:
             _raise_past_capacity(mask.shape[1], cache.capacity)
         if total is not None and total < mask.shape[1] and _read_by_slot(mask.shape[1], cache):
@@ -335,10 +338,7 @@ def _align_padding_mask(
 ) -> Any:
     """A 2D padding mask of one row per input row, extended with ones where it covers the cache but not the new
     tokens; one that is longer, or whose columns cannot be told apart, is refused."""
-    rows_given, columns = mask.shape
-    problem = mask_rows_problem(rows_given, batch)
-    if problem is not None:
-        raise problem
+    columns = mask.shape[1]  # (its rows: checked by align_mask)
     if mask_kept(columns, total):
         return mask
     expected = (

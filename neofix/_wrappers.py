@@ -331,15 +331,17 @@ _RIGHT_PADDED: dict[int, tuple[Any, tuple[int, ...]]] = {}
 def _cache_key(cache: Any) -> Any:
     if type(cache) is tuple or type(cache) is list:
         first = cache[0] if cache else None
-        return first[0] if first else None
+        return first[0] if isinstance(first, (tuple, list)) and first else None
     return cache
 
 
 def _output_cache(output: Any) -> Any:
     """The cache a forward returned, or ``None``."""
     cache = _caches.of_output(output)
-    if cache is None and isinstance(output, tuple) and len(output) > 1:  # return_dict=False: (hidden, cache, ...)
-        cache = output[1]
+    if cache is None and isinstance(output, tuple) and len(output) > 1:  # return_dict=False: (hidden, cache, ...),
+        cache = output[1]  # or without a cache (hidden, hidden states or attentions, ...)
+        if type(cache) is tuple and cache and not isinstance(cache[0], (tuple, list)):
+            return None  # (a tuple of tensors: the hidden states or the attentions, not a legacy cache)
     return cache
 
 

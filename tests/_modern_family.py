@@ -331,6 +331,36 @@ def mask_positions_loop(lm, ids, mask, cache, prompt_positions, steps=4):
     return logits, cache
 
 
+def test_a_forward_without_a_cache_returning_a_tuple_runs_as_vanilla(lm):
+    """``return_dict=False`` and ``use_cache=False``: the base model returns the last hidden state and the tuple of
+    every layer's, no cache.  The ending of a rotary family's prompt (which marks the cache it returns) took that
+    tuple of tensors for a legacy cache and failed on it; now the outputs are vanilla's, bit for bit."""
+    ids, mask = left_padded_batch(ROWS)
+
+    def forward():
+        with torch.no_grad():
+            return lm.base_model(
+                input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True, return_dict=False
+            )
+
+    patched, plain = patched_and_vanilla(forward)
+    assert len(patched) == len(plain) == 2
+    assert torch.equal(patched[0], plain[0])
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(patched[1], plain[1], strict=True))
+
+
+@hand_loop
+def test_after_a_right_padded_prompt_given_none_the_masks_positions_are_kept(lm):
+    """A prompt given no positions whose padded row is right-padded (its real tokens at the mask's positions, which
+    are their columns), decode steps given the mask's positions: vanilla computes the full recompute's logits, and so
+    does neofix, bit for bit (the columns, which count the pads, would be wrong there)."""
+    ids = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(2))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    patched, plain = patched_and_vanilla(lambda: mask_positions_loop(lm, ids, mask, None, prompt_positions=False)[0])
+    for mine, theirs in zip(patched, plain, strict=True):
+        assert torch.equal(mine, theirs)
+
+
 @hand_loop
 def test_a_cache_used_again_forgets_which_positions_its_last_prompt_was_given(lm):
     """A cache whose prompt was given no positions holds transformers' own, and the mask's are repaired to them after

@@ -77,8 +77,33 @@ def test_rotary_positions_after_a_cache_of_transformers_own_continue_its_columns
     strict = Policy(strict=True, positions=Positions.ROTARY)
     if given != expected:
         with pytest.raises(PositionError, match=r"^position_ids\[(\d), 0\] is \d at the step after 3 cached tokens, "
-                           r"but the cache holds transformers' own positions, so that real token of row \1 is at position 3"):
+                           r"but the cache holds transformers' own positions, which put that real token of row \1 at "
+                           r"position 3: the prompt was given no position_ids"):
             align(_step(torch.tensor(given)), _cache(3)._replace(columns=True), LIMITS, strict)
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ([[3], [3]], [[3], [3]]),  # the columns: kept (transformers' own, as the prompt had)
+        ([[2], [3]], [[2], [3]]),  # the mask's, shifted by each row's leading pads: kept
+        ([[2], [2]], [[2], [3]]),  # the mask's unshifted on the left-padded row: that row repaired
+        ([[1], [1]], [[2], [3]]),  # not advanced: the shifted mask's, row 0's not its column (which counts the pad)
+    ],
+)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_after_a_cache_of_transformers_own_a_row_without_leading_pads_continues_by_the_mask(given, expected, on_device):
+    """A cache whose prompt was given no positions, a row whose pad comes after its first real token (right padding,
+    or a pad fed after the prompt): its real tokens sit at the mask's positions (no leading pads to shift them), so
+    the mask's continue it as well as the columns, and a repair takes the mask's there, the column on a left-padded
+    row."""
+    from ._sync import device_reads
+
+    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]])
+    step = _step(torch.tensor(given), mask, batch=2)
+    with device_reads(on_device):
+        aligned = align(step, _cache(3, 2)._replace(columns=True), LIMITS, ROTARY)
+    assert torch.broadcast_to(aligned.position_ids, (2, 1)).tolist() == expected
 
 
 def test_a_rotary_chunk_after_a_cache_is_read_and_repaired_at_once():

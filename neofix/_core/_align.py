@@ -93,9 +93,6 @@ def align(
     mask = passed
     if mask_2d and total is not None and mask.shape[-1] > total:  # a static cache's slots (_read_by_slot): its
         mask = mask[:, :total]  # first columns are the tokens so far (the slots past them are empty)
-        if policy.positions is Positions.MASK and step.position_ids is None:  # the model derives positions from
-            passed = mask  # every column it is given (OPT: cumsum over them, less the cache): give it the tokens so far
-            repairs.append(Repair(MASK_SLICED, ""))
     token_types, cache_position = align_side_inputs(step, new, total, strict, repairs)
     cache_position = settle_cache_position(cache_position, cache.length, new, policy, repairs)
     first = step.input_ids if step.input_ids is not None else step.inputs_embeds
@@ -104,6 +101,9 @@ def align(
         step.position_ids, mask_2d, model_mask, batch, new, cache.length, total, strict, repairs, first,
         policy.positions,
     )
+    if passed is not mask and positions is None and policy.positions is Positions.MASK:  # read by slot, and the
+        passed = mask  # model derives positions from every column it is given (OPT: cumsum, less the cache): the
+        repairs.append(Repair(MASK_SLICED, ""))  # tokens so far
     values = ValueStep(
         step.input_ids, token_types, positions, given, mask if mask_2d else None, model_mask, new, cache.length,
         cache_position, cache.columns,

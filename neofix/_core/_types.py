@@ -145,6 +145,12 @@ class Policy(NamedTuple):
     positions: Positions = Positions.ABSOLUTE
 
 
+#: What a repaired position after a cache is taken from (a :class:`Report`'s ``truth``): the attention mask; the mask
+#: shifted by the row's leading pads, where the cache holds transformers' own positions (a rotary prompt given none,
+#: its real tokens at their columns); or, with no mask, the count of tokens.
+BY_MASK, BY_COLUMNS, BY_COUNT = "mask", "columns", "count"
+
+
 class Report(NamedTuple):
     """A decode step's position repair, made on the device without reading it back: ``wrong`` (rows whose position
     disagreed with the mask), what was ``given`` and the ``derived`` position, all of shape (batch, 1).  The caller
@@ -154,7 +160,7 @@ class Report(NamedTuple):
     given: Any
     derived: Any
     past: int | None
-    truth: str = "mask"  # what ``derived`` was taken from: see :func:`~neofix._core._values.describe_position`
+    truth: str = BY_MASK  # what ``derived`` was taken from (BY_MASK, BY_COLUMNS or BY_COUNT)
 
 
 class Repair(NamedTuple):

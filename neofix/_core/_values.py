@@ -22,6 +22,9 @@ from .._errors import MaskValueError, PositionError, SequenceTooLongError, Token
 from . import _reads
 from ._reads import Facts, Question, new_columns, step_truth
 from ._types import (
+    BY_COLUMNS,
+    BY_COUNT,
+    BY_MASK,
     CACHE_POSITION_VALUES,
     POSITION_VALUES,
     POSITIONS_COUNT_PADDING,
@@ -171,21 +174,27 @@ def rotary_truth(
     ``target``'s are ``wrong``, ``target`` being the scheme the rows agree on: one position shared by rows whose mask
     positions differ counts columns (a shared ``arange``); else the mask's (per row, as generate builds them).
     Without a mask every token is real and both schemes are the column.  Where the cache is known to hold
-    transformers' own positions (``columns``: its prompt was given none), only they continue it: ``target`` is the
-    column, and the mask's positions are wrong too where they differ from it (a left-padded row).
+    transformers' own positions (``columns``: its prompt was given none, so its real tokens sit at their columns,
+    left padding counted), the mask's scheme is shifted by each row's leading pads, as its prompt was: ``target`` is
+    that, which is the column on a left-padded row and the mask's on a row without leading pads (right padding, or a
+    pad fed after the prompt), and the mask's own positions are wrong on a left-padded row.
     """
     column = torch.arange(past, past + new, device=positions.device).unsqueeze(0)
     if positions.dim() == 1:  # one row for every row
         positions = positions.unsqueeze(0)
     if mask is None:
         return column, positions != column
-    real = mask[:, -new:] != 0
+    counted = mask.long().cumsum(-1)
+    derived = counted[:, -new:] - 1
     if columns:
-        return column, real & (positions != column)
-    derived = mask.long().cumsum(-1)[:, -new:] - 1
+        derived = derived + (counted == 0).sum(-1, keepdim=True)  # (the row's leading pads)
+    real = mask[:, -new:] != 0
     either = (~real | (positions == column)).all() | (~real | (positions == derived)).all()  # one scheme, every row
-    shared = (positions == positions[:1]).all() & (derived != derived[:1]).any()
-    target = torch.where(shared, column, derived)
+    if columns:
+        target = derived
+    else:
+        shared = (positions == positions[:1]).all() & (derived != derived[:1]).any()
+        target = torch.where(shared, column, derived)
     return target, real & (positions != target) & ~either
 
 
@@ -197,7 +206,7 @@ def _settle_rotary(step: ValueStep, policy: Policy, decode: bool, repairs: list[
     if not policy.compiling and on_host(positions, mask) and _either_scheme(positions, mask, step.new, past, columns):
         return positions, None  # read on the host (a list scan: nothing to wait for), and right: nothing to do
     target, wrong = rotary_truth(positions, mask, step.new, past, columns)  # type: ignore[arg-type]
-    truth = BY_COUNT if mask is None else BY_COLUMNS if columns else BY_MASK
+    truth = _truth(mask, columns)
     if policy.compiling or (decode and not policy.check_values and not policy.strict):
         repaired = torch.where(wrong, target, positions)
         return repaired, None if policy.compiling else Report(wrong, positions, target, past, truth)
@@ -213,8 +222,9 @@ def on_host(positions: Any, mask: Any) -> bool:
 
 
 def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, columns: bool) -> bool:
-    """:func:`rotary_truth`'s "right" on the host: every real token's given position is its column's, or (unless the
-    cache holds ``columns``) every one's is the mask's (list scans of the positions and the mask)."""
+    """:func:`rotary_truth`'s "right" on the host: every real token's given position is its column's, or every one's
+    is the mask's (shifted by its row's leading pads where the cache holds ``columns``): list scans of the positions
+    and the mask."""
     given = positions.tolist()
     if positions.dim() == 1:
         given = [given]
@@ -224,9 +234,11 @@ def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, colu
     rows = mask.tolist()
     if len(given) == 1:
         given = given * len(rows)
-    as_columns, as_mask = True, not columns
+    as_columns = as_mask = True
     for row, values in zip(rows, given):
         before = sum(row[:-new]) if len(row) > new else 0
+        if columns and 1 in row:
+            before += row.index(1)  # (the row's leading pads: its prompt's real tokens sit at their columns)
         for value, flag, at in zip(values, row[-new:], column):
             before += flag
             if flag:
@@ -330,8 +342,7 @@ def _positions_from(
     if compare and facts.wrong:
         derived, real = step_truth(mask, step.new, step.past, step.positions, step.cache_position)  # type: ignore[misc]
         wrong = real & (step.positions != derived)
-        truth = BY_MASK if mask is not None else BY_COUNT
-        return _repair_cached(step.positions, derived, wrong, step.past, truth, policy.strict, repairs)
+        return _repair_cached(step.positions, derived, wrong, step.past, _truth(mask), policy.strict, repairs)
     if compare and facts.counts_pads:
         return _repair_counted_padding(step.positions, mask, facts.counts_pads, policy.strict, repairs)
     # (derive, with left padding: without it every real token sits at its column, and transformers' own are right)
@@ -361,7 +372,7 @@ def _repaired_on_device(positions: torch.Tensor, mask: Any, past: int | None, sl
     derived, real = truth
     wrong = real & (positions != derived)
     repaired = torch.where(wrong, derived, positions)
-    return Settled(repaired, Report(wrong, positions, derived, past, BY_MASK if mask is not None else BY_COUNT), ())
+    return Settled(repaired, Report(wrong, positions, derived, past, _truth(mask)), ())
 
 
 def _positions_on_device(step: ValueStep, compare: bool, derive: bool) -> Any:
@@ -437,13 +448,13 @@ def _repair_cached(
 ) -> torch.Tensor:
     described = describe_wrong(wrong, positions, derived, past, truth)
     if strict:
-        raise PositionError(f"{described}: {_FIXES[truth]}")
+        raise PositionError(f"{described}: {_WORDS[truth][3]}")
     repairs.append(Repair(POSITION_VALUES, repaired_message(described, truth)))
     return torch.where(wrong, derived, positions)
 
 
 def describe_wrong(
-    wrong: torch.Tensor, given: torch.Tensor, derived: torch.Tensor, past: int | None, truth: str = "mask"
+    wrong: torch.Tensor, given: torch.Tensor, derived: torch.Tensor, past: int | None, truth: str = BY_MASK
 ) -> str:
     """Words for the first wrong position of a cached step (reads a few values: an error or a one-time warning)."""
     row, column = (int(i) for i in wrong.nonzero()[0])
@@ -452,36 +463,34 @@ def describe_wrong(
     return describe_position(row, column, value, expected, past, truth)
 
 
-#: What a repaired position after a cache is taken from (its ``truth``): the attention mask; the columns of a cache
-#: that holds transformers' own positions (a rotary prompt given none); or, with no mask, the count of tokens.
-BY_MASK, BY_COLUMNS, BY_COUNT = "mask", "columns", "count"
-_FIXES = {
-    BY_MASK: _FIX_VALUES,
-    BY_COLUMNS: "the prompt was given no position_ids, so transformers gave each token its column (left padding "
-    "counted), and only those continue its cache: pass none at any step, or the mask's from the prompt on",
-    BY_COUNT: _FIX_VALUES,
-}
-_CAUSES = {
-    BY_MASK: "arange over a left-padded batch, or a loop that does not increment its positions?",
-    BY_COLUMNS: "the mask's positions after a prompt given none, or a loop that does not increment its positions?",
-    BY_COUNT: "arange over a left-padded batch, or a loop that does not increment its positions?",
+def _truth(mask: Any, columns: bool = False) -> str:
+    return BY_COUNT if mask is None else BY_COLUMNS if columns else BY_MASK
+
+
+_CAUSE = "arange over a left-padded batch, or a loop that does not increment its positions?"
+_AFTER_OWN = (
+    "the prompt was given no position_ids, so transformers gave its real tokens their columns (left padding counted), "
+    "and the cache holds those: pass none at any step, or the mask's from the prompt on"
+)
+_WORDS = {  # truth -> (the words for where the token is, what was used, the likely cause, the fix)
+    BY_MASK: ("the attention mask puts that real token of row {row} at position {expected}", "the mask's positions",
+              _CAUSE, _FIX_VALUES),
+    BY_COLUMNS: ("the cache holds transformers' own positions, which put that real token of row {row} at position "
+                 "{expected}", "the cache's", "the mask's positions after a prompt given none, or a loop that does "
+                 "not increment its positions?", _AFTER_OWN),
+    BY_COUNT: ("with no attention mask every token is real, so that token is at position {expected}",
+               "positions continuing after the cache", _CAUSE, _FIX_VALUES),
 }
 
 
 def describe_position(row: int, column: int, value: int, expected: int, past: int | None, truth: str) -> str:
     after = "" if past is None else f" at the step after {past} cached tokens"
-    if truth == BY_MASK:
-        why = f"the attention mask puts that real token of row {row} at position {expected}"
-    elif truth == BY_COLUMNS:
-        why = f"the cache holds transformers' own positions, so that real token of row {row} is at position {expected}"
-    else:
-        why = f"with no attention mask every token is real, so that token is at position {expected}"
-    return f"position_ids[{row}, {column}] is {value}{after}, but {why}"
+    return f"position_ids[{row}, {column}] is {value}{after}, but {_WORDS[truth][0].format(row=row, expected=expected)}"
 
 
 def repaired_message(described: str, truth: str = BY_MASK) -> str:
-    used = {BY_MASK: "the mask's positions", BY_COLUMNS: "the columns", BY_COUNT: "positions continuing after the cache"}
-    return f"neofix: {described} ({_CAUSES[truth]}); used {used[truth]}. To fix your loop: {_FIXES[truth]}. Reported once."
+    _, used, cause, fix = _WORDS[truth]
+    return f"neofix: {described} ({cause}); used {used}. To fix your loop: {fix}. Reported once."
 
 
 def _repair_counted_padding(

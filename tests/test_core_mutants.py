@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neofix import MaskLengthError
-from neofix._core import CacheView, Limits, Policy, StepInputs, align, explain_index_error
+from neofix import MaskLengthError, PositionError
+from neofix._core import CacheView, Limits, Policy, Positions, StepInputs, align, explain_index_error
 from neofix._core._reads import Question, read_on_device, read_on_host, reader_for
 
 from ._sync import HostReads
@@ -540,3 +540,105 @@ def test_align_checks_the_ids_on_the_device_where_no_facts_are_given():
     with device_reads(), pytest.raises(neofix.TokenIdError) as aligned:
         align(step, _cache(0), LIMITS, Policy())
     assert str(aligned.value) == str(first.value)
+
+
+# -- today's changes: OPT's slot mask, the rotary cache's positions (benchmarks/MUTATION.md, 2026-12-06) --------------
+
+ROTARY = Policy(positions=Positions.ROTARY)
+
+
+def _rotary(given, mask, past, columns=False, on_device=False, policy=ROTARY):
+    """The positions a rotary step after ``past`` cached tokens is given, read on the host or on the device."""
+    from ._sync import device_reads
+
+    new = len(given[0])
+    mask = None if mask is None else torch.tensor(mask)
+    batch = 1 if mask is None else mask.shape[0]
+    cache = CacheView(past, batch, (past, past), None, 4, 8, "object", columns)
+    with device_reads(on_device):
+        return align(_step(new, mask, torch.tensor(given), batch), cache, LIMITS, policy)
+
+
+@pytest.mark.parametrize(
+    "given, mask, past, expected",
+    [
+        ([[0]], None, 3, [[3]]),  # no mask: every token real, so the column (the count) is the one right position
+        ([[0, 0]], None, 3, [[3, 4]]),  # the same for a chunk: each token its own column
+        ([[2]], [[0, 1, 1, 1], [0, 0, 1, 1]], 3, [[3], [3]]),  # one row for all, neither scheme's in row 1: columns
+        ([[0]], [[0, 0, 1, 1]], 3, [[1]]),  # neither scheme's: the mask's (its first columns are pads)
+        ([[3]], [[0, 1, 1, 1]], 3, [[3]]),  # the column of a padded row: one scheme, kept
+        ([[2], [2]], [[0, 1, 1, 1], [1, 1, 0, 0]], 3, [[2], [2]]),  # the mask's where it is real (row 1's is a pad)
+    ],
+)
+def test_rotary_positions_after_a_cache_are_judged_alike_on_the_host_and_on_the_device(given, mask, past, expected):
+    """Rotary positions after a cache are right where every real token is at its column or every one at the mask's
+    position: the host's list scan and the device's tensor rule must agree on which are right and on the repair."""
+    host = _rotary(given, mask, past)
+    device = _rotary(given, mask, past, on_device=True)
+    rows = 1 if mask is None else len(mask)
+    for aligned in (host, device):
+        assert torch.broadcast_to(aligned.position_ids, (rows, len(given[0]))).tolist() == expected
+
+
+def test_a_pad_after_a_cache_of_columns_keeps_its_given_position_on_the_device_too():
+    """After a cache of transformers' own positions only real tokens are judged against the columns; a pad among the
+    new tokens keeps the position it was given, on the device as on the host (nothing to repair, nothing reported)."""
+    mask = [[1, 1, 1, 1, 1], [0, 0, 0, 0, 1], [0, 0, 1, 1, 1]]
+    given = [[3, 4], [1, 4], [3, 4]]  # row 1's first new token is a pad, at a position of its own
+    host = _rotary(given, mask, 3, columns=True)
+    device = _rotary(given, mask, 3, columns=True, on_device=True)
+    assert host.position_ids.tolist() == device.position_ids.tolist() == given
+    assert host.repairs == device.repairs == ()
+
+
+def test_rotary_positions_without_a_mask_are_described_by_the_count():
+    """Without a mask every token is real: a wrong position is refused (strict) in the words of the count of tokens,
+    as an absolute family's is, not in the mask's."""
+    strict = Policy(strict=True, positions=Positions.ROTARY)
+    with pytest.raises(PositionError) as rotary:
+        _rotary([[0]], None, 3, policy=strict)
+    with pytest.raises(PositionError) as absolute:
+        _rotary([[0]], None, 3, policy=Policy(strict=True))
+    assert "with no attention mask every token is real" in str(rotary.value)
+    assert str(rotary.value) == str(absolute.value)
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_a_decode_steps_report_says_what_the_strict_error_says(columns):
+    """On the device a decode step's wrong rotary position is repaired unread and reported later: the report, once
+    read, describes the position in the words the strict mode's error uses (the cached tokens it follows included)."""
+    from neofix._core._values import describe_wrong
+
+    mask = [[1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1]]
+    given = [[2], [0], [1]]  # not advanced
+    report = _rotary(given, mask, 3, columns, on_device=True).report
+    described = describe_wrong(report.wrong, report.given, report.derived, report.past, report.truth)
+    with pytest.raises(PositionError) as strict:
+        _rotary(given, mask, 3, columns, policy=Policy(strict=True, positions=Positions.ROTARY))
+    assert str(strict.value).startswith(described + ": ")
+
+
+def test_a_repair_to_the_columns_says_it_used_the_columns():
+    """The one-time warning of a repair after a cache of transformers' own positions says which positions it used."""
+    mask = [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]
+    aligned = _rotary([[2, 3], [0, 1], [1, 2]], mask, 3, columns=True)  # a chunk, not advanced: read at once
+    (repair,) = aligned.repairs
+    assert "; used the columns. To fix your loop: " in repair.message
+
+
+def _opt_static(mask, length):
+    cache = CacheView(length, 3, None, 8, 4, 8, "static")
+    step = StepInputs(torch.ones(3, 1, dtype=torch.long), None, mask, None)
+    return align(step, cache, LIMITS, Policy(positions=Positions.MASK))
+
+
+def test_opt_is_given_a_masks_tokens_so_far_over_a_static_cache_as_a_silent_named_repair():
+    """OPT derives its positions from every column of its mask: a mask as wide as a static cache's slots is given as
+    the tokens so far, recorded as ``mask_sliced`` (what traces list) with no warning; a mask of exactly the tokens
+    so far is passed on with nothing recorded."""
+    wide = torch.cat([SO_FAR, torch.zeros(3, 3, dtype=torch.long)], -1)
+    aligned = _opt_static(wide, 4)
+    assert torch.equal(aligned.attention_mask, SO_FAR)
+    assert [(r.kind, bool(r.message)) for r in aligned.repairs] == [("mask_sliced", False)]
+    exact = _opt_static(SO_FAR, 4)
+    assert torch.equal(exact.attention_mask, SO_FAR) and exact.repairs == ()

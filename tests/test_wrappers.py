@@ -272,6 +272,29 @@ def test_dropped_caches_and_positions_leave_no_bookkeeping_behind(model):
     assert len(_wrappers._TRUSTED) == trusted_before
 
 
+
+def test_a_rotary_prompts_cache_leaves_no_bookkeeping_behind_once_dropped():
+    """Which rotary caches hold transformers' own positions (a prompt given none) is remembered per cache, and goes with
+    it, as the right-padded caches' bookkeeping does; a forward that returns no cache (``use_cache=False``,
+    ``return_dict=False``: a one-element tuple) marks nothing and runs as vanilla."""
+    from neofix.testing import tiny_model
+
+    lm = tiny_model("llama", seed=0, dtype=torch.float32)
+    ids, mask = torch.tensor([[5, 6, 7, 8], [0, 0, 3, 4]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    gc.collect()
+    before = len(_wrappers._COLUMNS)
+    with torch.no_grad():
+        cache = output_cache(lm(input_ids=ids, attention_mask=mask, use_cache=True))
+        assert len(_wrappers._COLUMNS) == before + 1
+        del cache
+        gc.collect()
+        assert len(_wrappers._COLUMNS) == before
+        patched = lm(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=False)
+        with neofix.unpatched():
+            plain = lm(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=False)
+    assert len(patched) == len(plain) and all(torch.equal(a, b) for a, b in zip(patched, plain))
+    assert len(_wrappers._COLUMNS) == before
+
 # -- legacy tuple caches -----------------------------------------------------------------------------------------------
 
 

@@ -623,7 +623,7 @@ def test_a_repair_to_the_columns_says_it_used_the_columns():
     mask = [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]
     aligned = _rotary([[2, 3], [0, 1], [1, 2]], mask, 3, columns=True)  # a chunk, not advanced: read at once
     (repair,) = aligned.repairs
-    assert "; used the columns. To fix your loop: " in repair.message
+    assert "; used the cache's. To fix your loop: the prompt was given no position_ids" in repair.message
 
 
 def _opt_static(mask, length):

@@ -106,6 +106,16 @@ def test_after_a_cache_of_transformers_own_a_row_without_leading_pads_continues_
     assert torch.broadcast_to(aligned.position_ids, (2, 1)).tolist() == expected
 
 
+@pytest.mark.parametrize("given", [[[1]], [[2]]], ids=["the shift alone", "the mask's"])
+def test_on_the_host_a_left_padded_row_after_a_cache_of_transformers_own_is_judged_by_its_count_and_its_pads(given):
+    """The host's list scan of one left-padded row after a cache of transformers' own positions: its new token is
+    the row's third real token after one pad, so only 3 (its column, and the mask's 2 shifted by the pad) continues
+    the cache; a position that is the pad alone, or the mask's unshifted, is repaired to it."""
+    step = _step(torch.tensor(given), torch.tensor([[0, 1, 1, 1]]), batch=1)
+    aligned = align(step, _cache(3, 1)._replace(columns=True), LIMITS, ROTARY)
+    assert aligned.position_ids.tolist() == [[3]]
+
+
 def test_a_rotary_chunk_after_a_cache_is_read_and_repaired_at_once():
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
     aligned = align(_step(torch.tensor([[1, 1], [0, 0]]), mask, new=2, batch=2), _cache(3, 2), LIMITS, ROTARY)

@@ -163,7 +163,7 @@ def _empty(tensor: Any) -> bool:
 
 
 def rotary_truth(
-    positions: torch.Tensor, mask: Any, new: int, past: int, columns: bool = False
+    positions: torch.Tensor, mask: Any, new: int, past: int, columns: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(target, wrong)`` for rotary positions given after a cache of ``past`` tokens (computed on the device).
 

@@ -28,6 +28,10 @@ FEATURES = {
         (4, 45),
         "up to 4.44 each GPT-Neo attention layer gets its own (key, value) pair; from 4.45 the whole Cache object",
     ),
+    "GPT-J rotary positions": (
+        (4, 28),
+        "GPT-J's attention looks its position_ids up from transformers 4.28 (before, it ignores them)",
+    ),
     "OPT static caches": ((4, 49), "OPT's decoder takes a StaticCache from transformers 4.49 (before, it subscripts it)"),
     "cache layer objects": (
         (4, 56),

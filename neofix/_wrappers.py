@@ -143,7 +143,7 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
         adapter.check_step(model, view, call)
         if _RIGHT_PADDED and view.length != 0:
             _check_right_padding(call)
-        if _COLUMNS and view.length and _holds_columns(_cache_key(cache)):
+        if _COLUMNS and view.length and _remembered(_COLUMNS, _cache_key(cache)):
             return view._replace(columns=True)
     return view
 
@@ -189,7 +189,7 @@ def _judge(
     facts = None
     if eager and not _reports.listeners:
         given = step.position_ids
-        trusted = given is not None and _is_trusted(given)
+        trusted = given is not None and _remembered(_TRUSTED, given)
         kept, facts = keeps_every_rule(
             step, view, limits, adapter.positions, trusted, settings.check_values, settings.strict
         )
@@ -204,7 +204,7 @@ def _policy(call: dict, adapter: Adapter, eager: bool) -> Policy:
         strict=settings.strict,
         check_values=settings.check_values and eager,
         # (not under torch.compile: the lookup by id() would break the graph, and compiled steps read nothing)
-        trusted_positions=eager and given is not None and _is_trusted(given),
+        trusted_positions=eager and given is not None and _remembered(_TRUSTED, given),
         compiling=not eager,
         uncached_positions=settings.uncached_positions,
         positions=adapter.positions,
@@ -313,13 +313,18 @@ _TRUSTED: dict[int, Any] = {}
 
 def _trust(positions: Any) -> None:
     if isinstance(positions, torch.Tensor):
-        key = id(positions)
-        _TRUSTED[key] = weakref.ref(positions, lambda _, key=key: _TRUSTED.pop(key, None))
+        _remember(_TRUSTED, positions)
 
 
-def _is_trusted(positions: Any) -> bool:
-    ref = _TRUSTED.get(id(positions))
-    return ref is not None and ref() is positions
+def _remember(registry: dict[int, Any], obj: Any) -> None:
+    """Add ``obj`` to an identity registry (``id`` -> weak reference: its entry goes with it)."""
+    key = id(obj)
+    registry[key] = weakref.ref(obj, lambda _, key=key: registry.pop(key, None))
+
+
+def _remembered(registry: dict[int, Any], obj: Any) -> bool:
+    reference = registry.get(id(obj))
+    return reference is not None and reference() is obj
 
 
 # -- right padding at the start of decoding ---------------------------------------------------------------------------
@@ -339,9 +344,7 @@ def _output_cache(output: Any) -> Any:
     """The cache a forward returned, or ``None``."""
     cache = _caches.of_output(output)
     if cache is None and isinstance(output, tuple) and len(output) > 1:  # return_dict=False: (hidden, cache, ...),
-        cache = output[1]  # or without a cache (hidden, hidden states or attentions, ...)
-        if type(cache) is tuple and cache and not isinstance(cache[0], (tuple, list)):
-            return None  # (a tuple of tensors: the hidden states or the attentions, not a legacy cache)
+        cache = output[1]  # or without a cache (hidden, hidden states, ...: _cache_key follows no tuple of tensors)
     return cache
 
 
@@ -374,16 +377,11 @@ def _mark_columns(output: Any, columns: bool) -> None:
         return
     if not columns:
         _COLUMNS.pop(id(key), None)  # (a cache used again from its start, given positions this time)
-    elif not _holds_columns(key):
+    elif not _remembered(_COLUMNS, key):
         try:
-            _COLUMNS[id(key)] = weakref.ref(key, lambda _, k=id(key): _COLUMNS.pop(k, None))
+            _remember(_COLUMNS, key)
         except TypeError:  # not weakly referenceable: not followed
             pass
-
-
-def _holds_columns(key: Any) -> bool:
-    reference = _COLUMNS.get(id(key))
-    return reference is not None and reference() is key
 
 
 def _check_right_padding(kwargs: dict) -> None:

@@ -262,38 +262,45 @@ def frozen_loop(lm, ids, mask, scheme, steps=STEPS, decode_reads=None):
     return torch.cat(generated, -1)
 
 
+def assert_repaired_to_the_reference(lm, loop, said):
+    """``loop(ids, mask)`` on the left-padded batch: vanilla's tokens are wrong; neofix's are the reference's, and
+    one warning, ``said`` in it."""
+    ids, mask = left_padded_batch(ROWS)
+    expected = reference(lm, ids, mask)
+    plain = vanilla(lambda: loop(ids, mask))
+    assert isinstance(plain, torch.Tensor) and not torch.equal(plain, expected)
+    tokens, messages = run(lambda: loop(ids, mask))
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, expected)
+    assert len(messages) == 1 and said in messages[0], messages
+
+
 @hand_loop
 @pytest.mark.parametrize("scheme", ["mask", "column"])
 def test_positions_that_do_not_advance_are_repaired(lm, scheme):
     """vanilla: silently wrong tokens.  neofix: a real token's position after a cache must be its column's or the
     mask's (either scheme a cache can be built with); one that is neither is repaired to the scheme the rows agree on
     (a position shared by differently padded rows counts columns), on the device, and said once."""
-    ids, mask = left_padded_batch(ROWS)
-    expected = reference(lm, ids, mask)
-    plain = vanilla(lambda: frozen_loop(lm, ids, mask, scheme))
-    assert isinstance(plain, torch.Tensor) and not torch.equal(plain, expected)
-    tokens, messages = run(lambda: frozen_loop(lm, ids, mask, scheme))
-    assert isinstance(tokens, torch.Tensor), tokens
-    assert torch.equal(tokens, expected)
-    assert len(messages) == 1 and "does not increment its positions" in messages[0], messages
-
-
+    assert_repaired_to_the_reference(lm, lambda ids, mask: frozen_loop(lm, ids, mask, scheme), "does not increment")
 @torch.no_grad()
-def after_a_prompt_given_none(lm, ids, mask, advance, steps=STEPS):
-    """A greedy hand loop whose prompt is given no position_ids (transformers' own: each token's column, left padding
-    counted, which its cache then holds) and whose decode steps pass the mask's positions: advancing (``advance``) or
-    the prompt's last again (a loop that forgets to increment)."""
-    key, cache, full, new, generated = cache_keyword(lm), None, mask, ids, []
+def mask_positions_loop(lm, ids, mask, *, cache=None, prompt_positions=False, advance=True, steps=STEPS):
+    """A greedy hand loop whose decode steps pass the mask's positions, advancing or (not ``advance``) the prompt's
+    last again (a loop that forgets to increment), and whose prompt is given the mask's (``prompt_positions``) or none
+    (transformers' own: each token's column, left padding counted, which its cache then holds).  ``cache``: the one to
+    start from (``None``: the model's own).  Returns the new tokens, each step's logits and the cache."""
+    key, full, new, generated, logits = cache_keyword(lm), mask, ids, [], []
     for step in range(steps):
         kwargs = dict(input_ids=new, attention_mask=full, use_cache=True)
-        if step:
+        if cache is not None:
             kwargs[key] = cache
-            kwargs["position_ids"] = reference_positions(full if advance else mask)[:, -1:]
+        if step or prompt_positions:
+            kwargs["position_ids"] = reference_positions(full if advance else mask)[:, -new.shape[1]:]
         out = lm(**kwargs)
         cache, new = output_cache(out), out.logits[:, -1:].argmax(-1)
         generated.append(new)
+        logits.append(out.logits)
         full = torch.cat([full, full.new_ones(full.shape[0], 1)], -1)
-    return torch.cat(generated, -1)
+    return torch.cat(generated, -1), logits, cache
 
 
 @hand_loop
@@ -303,32 +310,10 @@ def test_the_masks_positions_after_a_prompt_given_none_continue_its_cache_by_col
     columns); decode steps that pass the mask's positions (the two schemes mixed) are off by the row's pads: vanilla's
     tokens are wrong.  neofix saw the prompt, so it knows which positions the cache holds, and continues them: the
     reference tokens, said once.  (The mask's positions that do not advance were repaired to the mask's before: wrong.)"""
-    ids, mask = left_padded_batch(ROWS)
-    expected = reference(lm, ids, mask)
-    plain = vanilla(lambda: after_a_prompt_given_none(lm, ids, mask, advance))
-    assert isinstance(plain, torch.Tensor) and not torch.equal(plain, expected)
-    tokens, messages = run(lambda: after_a_prompt_given_none(lm, ids, mask, advance))
-    assert isinstance(tokens, torch.Tensor), tokens
-    assert torch.equal(tokens, expected)
-    assert len(messages) == 1 and "the cache holds transformers' own positions" in messages[0], messages
-
-
-@torch.no_grad()
-def mask_positions_loop(lm, ids, mask, cache, prompt_positions, steps=4):
-    """Each step's logits of a greedy hand loop passing the mask's positions at every step but, unless
-    ``prompt_positions``, the prompt's; ``cache``: the one to start from (``None``: the model's own)."""
-    key, full, new, logits = cache_keyword(lm), mask, ids, []
-    for step in range(steps):
-        kwargs = dict(input_ids=new, attention_mask=full, use_cache=True)
-        if cache is not None:
-            kwargs[key] = cache
-        if step or prompt_positions:
-            kwargs["position_ids"] = reference_positions(full)[:, -new.shape[1]:]
-        out = lm(**kwargs)
-        cache, new = output_cache(out), out.logits[:, -1:].argmax(-1)
-        logits.append(out.logits)
-        full = torch.cat([full, full.new_ones(full.shape[0], 1)], -1)
-    return logits, cache
+    assert_repaired_to_the_reference(
+        lm, lambda ids, mask: mask_positions_loop(lm, ids, mask, advance=advance)[0],
+        "the cache holds transformers' own positions",
+    )
 
 
 def test_a_forward_without_a_cache_returning_a_tuple_runs_as_vanilla(lm):
@@ -356,7 +341,7 @@ def test_after_a_right_padded_prompt_given_none_the_masks_positions_are_kept(lm)
     does neofix, bit for bit (the columns, which count the pads, would be wrong there)."""
     ids = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(2))
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    patched, plain = patched_and_vanilla(lambda: mask_positions_loop(lm, ids, mask, None, prompt_positions=False)[0])
+    patched, plain = patched_and_vanilla(lambda: mask_positions_loop(lm, ids, mask)[1])
     for mine, theirs in zip(patched, plain, strict=True):
         assert torch.equal(mine, theirs)
 
@@ -369,13 +354,13 @@ def test_a_cache_used_again_forgets_which_positions_its_last_prompt_was_given(lm
     ids, mask = left_padded_batch(ROWS)
 
     def used_again():
-        _, cache = mask_positions_loop(lm, ids, mask, None, prompt_positions=False)
+        cache = mask_positions_loop(lm, ids, mask, steps=4)[2]
         if not hasattr(cache, "reset"):
             pytest.skip(f"transformers {TF}: the model's own cache has no reset() (a legacy tuple, or before 4.56)")
         cache.reset()
         if any(cache.get_seq_length(layer) for layer in range(lm.config.num_hidden_layers)):
             pytest.skip(f"transformers {TF}: reset() zeroes the cache's keys but keeps them: it cannot be used again")
-        return mask_positions_loop(lm, ids, mask, cache, prompt_positions=True)[0]
+        return mask_positions_loop(lm, ids, mask, cache=cache, prompt_positions=True, steps=4)[1]
 
     with neofix.unpatched():
         plain = run(used_again)[0]

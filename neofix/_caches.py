@@ -69,7 +69,7 @@ def _read_layers(cache_layers: list, layers: int, layout: tuple[int, int, int, i
     if shape is not None and len(shape) == 4:  # the usual growing cache: every layer holds keys of this shape
         b, h, _, d = layout
         held = shape[-2]
-        return _new(CacheView, (held, shape[b], (held,) * layers, None, shape[h], shape[d], "object", False))
+        return _new(CacheView, (held, shape[b], (held,) * layers, None, shape[h], shape[d], "object", None))
     first = cache_layers[0]
     capacity = getattr(first, "max_cache_len", None)
     if capacity is not None:  # a static layer: its length is a tensor, its keys preallocated to the capacity

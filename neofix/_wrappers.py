@@ -49,6 +49,7 @@ from ._core import (
     explain_index_error,
     keeps_every_rule,
 )
+from ._core._types import BY_COLUMNS, BY_MASK
 from ._errors import (
     AttentionWindowError,
     InputShapeError,
@@ -119,7 +120,7 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
         _apply(aligned, call, takes_positions)
         if eager:
             _report(self, aligned, view, step.attention_mask)
-        return _call(original, self, call, view, adapter, eager, aligned.right_padded)
+        return _call(original, self, call, view, adapter, eager, aligned.right_padded, aligned.built)
         _a = _b = _c = _d = _e = _f = _g = _h = _i = _j = _k = None  # _FX_ROOM: never runs (see above)
 
     return _mark(forward)
@@ -143,8 +144,10 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
         adapter.check_step(model, view, call)
         if _RIGHT_PADDED and view.length != 0:
             _check_right_padding(call)
-        if _COLUMNS and view.length and _remembered(_COLUMNS, _cache_key(cache)):
-            return view._replace(columns=True)
+        if (_BY_COLUMNS or _BY_MASK) and view.length:
+            built = _built(cache)
+            if built is not None:
+                return view._replace(built=built)
     return view
 
 
@@ -253,12 +256,13 @@ def _call(
     adapter: Adapter,
     eager: bool,
     right_padded: tuple[int, ...] = (),
+    built: str | None = None,
 ) -> Any:
     """Call transformers' forward once, with the call as aligned.  A bad id or position that no check read
     (single-token decode steps read nothing; on the CPU the lookup is the check) surfaces as the embedding's
     ``IndexError``: name the value instead.  A prefill that ended ``right_padded`` rows in padding marks the cache it
-    returns, so that decoding from it says so; a rotary family's prompt marks whether its cache holds transformers'
-    own positions (:func:`_mark_columns`)."""
+    returns, so that decoding from it says so; a rotary family's prompt marks the positions its cache is built with,
+    transformers' own (given none) or the mask's (``built``, where align read them: :func:`_mark_built`)."""
     try:
         output = original(model, **call)
     except IndexError as exc:
@@ -270,8 +274,12 @@ def _call(
         raise
     if right_padded:
         _mark_right_padded(output, right_padded)
-    if adapter.positions.rotary and eager and (view.length == 0 or view.columns):  # a prompt, or a cache marked
-        _mark_columns(output, view.columns or call.get("position_ids") is None)  # (a legacy tuple is new each step)
+    if adapter.positions.rotary and eager and (view.length == 0 or view.built):  # a prompt, or a cache marked
+        if view.length:  # (a legacy tuple is new each step)
+            built = view.built
+        elif call.get("position_ids") is None:
+            built = BY_COLUMNS
+        _mark_built(output, built)
     return output
 
 
@@ -362,26 +370,41 @@ def _mark_right_padded(output: Any, rows: tuple[int, ...]) -> None:
 
 # -- which positions a rotary family's cache holds ---------------------------------------------------------------------
 
-# id(cache, or for a legacy cache its first key) -> weak reference to it: the caches whose prompt was given no
-# position_ids (rotary families), and those continued from them
-_COLUMNS: dict[int, Any] = {}
+# id(cache, or for a legacy cache its first key) -> weak reference to it: the caches a rotary family's prompt built
+# with transformers' own positions (it was given none) and with the mask's (:func:`_mark_built`), and those continued
+# from them
+_BY_COLUMNS: dict[int, Any] = {}
+_BY_MASK: dict[int, Any] = {}
+_BUILT = ((BY_COLUMNS, _BY_COLUMNS), (BY_MASK, _BY_MASK))
 
 
-def _mark_columns(output: Any, columns: bool) -> None:
-    """Remember whether the cache a rotary family's prompt returned holds transformers' own positions (it was given no
-    ``position_ids``: each token's is its column, left padding counted), so that positions given after it are judged
-    against those alone (:func:`~neofix._core._values.rotary_truth`); a step after such a cache marks the one it
-    returns (a legacy tuple is a new object at every step)."""
+def _built(cache: Any) -> str | None:
+    """The positions ``cache`` was built with, where its prompt told (:attr:`~neofix._core.CacheView.built`)."""
+    key = _cache_key(cache)
+    for built, registry in _BUILT:
+        if registry and _remembered(registry, key):
+            return built
+    return None
+
+
+def _mark_built(output: Any, built: str | None) -> None:
+    """Remember the positions the cache a rotary family's prompt returned is built with: transformers' own
+    (``BY_COLUMNS``: the prompt was given no ``position_ids``, so each token's is its column, left padding counted), the
+    mask's (``BY_MASK``: given, and read to be the mask's where a row tells them from the columns) or not known
+    (``None``), so that the positions of the steps after it continue those alone
+    (:func:`~neofix._core._values.rotary_truth`, :func:`~neofix._core._values.value_plan`); a step after such a cache
+    marks the one it returns (a legacy tuple is a new object at every step)."""
     key = _cache_key(_output_cache(output))
     if key is None:
         return
-    if not columns:
-        _COLUMNS.pop(id(key), None)  # (a cache used again from its start, given positions this time)
-    elif not _remembered(_COLUMNS, key):
-        try:
-            _remember(_COLUMNS, key)
-        except TypeError:  # not weakly referenceable: not followed
-            pass
+    for scheme, registry in _BUILT:
+        if scheme != built:
+            registry.pop(id(key), None)  # (a cache used again from its start, its prompt given other positions)
+        elif not _remembered(registry, key):
+            try:
+                _remember(registry, key)
+            except TypeError:  # not weakly referenceable: not followed
+                pass
 
 
 def _check_right_padding(kwargs: dict) -> None:

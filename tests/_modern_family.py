@@ -283,17 +283,23 @@ def test_positions_that_do_not_advance_are_repaired(lm, scheme):
     (a position shared by differently padded rows counts columns), on the device, and said once."""
     assert_repaired_to_the_reference(lm, lambda ids, mask: frozen_loop(lm, ids, mask, scheme), "does not increment")
 @torch.no_grad()
-def mask_positions_loop(lm, ids, mask, *, cache=None, prompt_positions=False, advance=True, steps=STEPS):
-    """A greedy hand loop whose decode steps pass the mask's positions, advancing or (not ``advance``) the prompt's
-    last again (a loop that forgets to increment), and whose prompt is given the mask's (``prompt_positions``) or none
-    (transformers' own: each token's column, left padding counted, which its cache then holds).  ``cache``: the one to
-    start from (``None``: the model's own).  Returns the new tokens, each step's logits and the cache."""
+def mask_positions_loop(
+    lm, ids, mask, *, cache=None, prompt_positions=False, advance=True, decode="mask", steps=STEPS
+):
+    """A greedy hand loop whose decode steps pass the mask's positions (``decode="mask"``), advancing or (not
+    ``advance``) the prompt's last again (a loop that forgets to increment), or none (``"none"``), or each new token's
+    column (``"columns"``: ``arange`` after the cache, one row for every row); and whose prompt is given the mask's
+    (``prompt_positions``) or none (transformers' own: each token's column, left padding counted, which its cache then
+    holds).  ``cache``: the one to start from (``None``: the model's own).  Returns the new tokens, each step's logits
+    and the cache."""
     key, full, new, generated, logits = cache_keyword(lm), mask, ids, [], []
     for step in range(steps):
         kwargs = dict(input_ids=new, attention_mask=full, use_cache=True)
         if cache is not None:
             kwargs[key] = cache
-        if step or prompt_positions:
+        if step and decode == "columns":
+            kwargs["position_ids"] = torch.arange(full.shape[1] - 1, full.shape[1]).unsqueeze(0)
+        elif (step and decode == "mask") or (not step and prompt_positions):
             kwargs["position_ids"] = reference_positions(full if advance else mask)[:, -new.shape[1]:]
         out = lm(**kwargs)
         cache, new = output_cache(out), out.logits[:, -1:].argmax(-1)
@@ -313,6 +319,34 @@ def test_the_masks_positions_after_a_prompt_given_none_continue_its_cache_by_col
     assert_repaired_to_the_reference(
         lm, lambda ids, mask: mask_positions_loop(lm, ids, mask, advance=advance)[0],
         "the cache holds transformers' own positions",
+    )
+
+
+@hand_loop
+def test_no_positions_after_a_prompt_given_the_masks_continue_its_cache_by_the_mask(lm):
+    """The prompt given the mask's positions (as generate gives them), its cache holds a left-padded row's real tokens
+    at the mask's positions; decode steps given none get transformers' own, each token's column, off by the row's
+    pads: vanilla's tokens are wrong.  neofix read the prompt's positions, so it knows which the cache holds, and
+    derives the mask's for the steps: the reference tokens, nothing said (no given value was changed)."""
+    ids, mask = left_padded_batch(ROWS)
+    loop = lambda: mask_positions_loop(lm, ids, mask, prompt_positions=True, decode="none")[0]  # noqa: E731
+    expected = reference(lm, ids, mask)
+    plain = vanilla(loop)
+    assert isinstance(plain, torch.Tensor) and not torch.equal(plain, expected)
+    tokens, messages = run(loop)
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, expected)
+    assert messages == []
+
+
+@hand_loop
+def test_the_columns_after_a_prompt_given_the_masks_are_repaired_to_the_masks(lm):
+    """The mirror of the test above with positions given: decode steps given each new token's column (``arange``
+    after the cache, as transformers makes its own) after a prompt given the mask's.  Either scheme is right for a
+    cache built with it, and this cache holds the mask's: neofix repairs the columns to the mask's, said once."""
+    assert_repaired_to_the_reference(
+        lm, lambda ids, mask: mask_positions_loop(lm, ids, mask, prompt_positions=True, decode="columns")[0],
+        "the attention mask puts that real token",
     )
 
 

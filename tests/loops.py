@@ -61,7 +61,7 @@ def decode(
                 passed at every step (the classic bug).
     positions   "none" | "correct" (new tokens only) | "full" (every token so far) | "stale" (the prompt's) |
                 "frozen" (correct for the prompt, then the prompt's last position again at every step: a loop that
-                forgets to increment) | "arange" (arange over the padded width, then the sequence length: the
+                forgets to increment) | "prompt" (correct for the prompt, as generate gives them, then none) | "arange" (arange over the padded width, then the sequence length: the
                 classic batched-generation bug).
     cache_format "native" (what the model returned) | "legacy" (tuples) | "object" (a DynamicCache).
     chunks      split points: the prompt is fed in pieces with the cache (chunked prefill).
@@ -93,6 +93,9 @@ def decode(
             kwargs["position_ids"] = reference_positions(step_mask)
         elif positions == "stale":
             kwargs["position_ids"] = reference_positions(prompt_mask)
+        elif positions == "prompt":
+            if step < len(feeds):
+                kwargs["position_ids"] = reference_positions(step_mask)[:, -new.shape[1]:]
         elif positions == "frozen":
             prompt_positions = reference_positions(prompt_mask)
             kwargs["position_ids"] = prompt_positions if step < len(feeds) else prompt_positions[:, -1:]

@@ -9,6 +9,7 @@ import torch
 
 from neofix import CacheLengthError, PositionError
 from neofix._core import CacheView, Limits, Policy, Positions, StepInputs, align
+from neofix._core._types import BY_COLUMNS, BY_MASK
 
 LIMITS = Limits(max_positions=None, vocab_size=96, hidden_size=32, heads=2, head_dim=8)
 ROTARY = Policy(positions=Positions.ROTARY)
@@ -69,7 +70,7 @@ def test_rotary_positions_after_a_cache_of_transformers_own_continue_its_columns
     from ._sync import device_reads
 
     with device_reads(on_device):
-        aligned = align(_step(torch.tensor(given)), _cache(3)._replace(columns=True), LIMITS, ROTARY)
+        aligned = align(_step(torch.tensor(given)), _cache(3)._replace(built=BY_COLUMNS), LIMITS, ROTARY)
     assert torch.broadcast_to(aligned.position_ids, (3, 1)).tolist() == expected
     if on_device or given != expected:
         assert aligned.report.truth == "columns"
@@ -79,7 +80,7 @@ def test_rotary_positions_after_a_cache_of_transformers_own_continue_its_columns
         with pytest.raises(PositionError, match=r"^position_ids\[(\d), 0\] is \d at the step after 3 cached tokens, "
                            r"but the cache holds transformers' own positions, which put that real token of row \1 at "
                            r"position 3: the prompt was given no position_ids"):
-            align(_step(torch.tensor(given)), _cache(3)._replace(columns=True), LIMITS, strict)
+            align(_step(torch.tensor(given)), _cache(3)._replace(built=BY_COLUMNS), LIMITS, strict)
 
 
 @pytest.mark.parametrize(
@@ -102,7 +103,7 @@ def test_after_a_cache_of_transformers_own_a_row_without_leading_pads_continues_
     mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]])
     step = _step(torch.tensor(given), mask, batch=2)
     with device_reads(on_device):
-        aligned = align(step, _cache(3, 2)._replace(columns=True), LIMITS, ROTARY)
+        aligned = align(step, _cache(3, 2)._replace(built=BY_COLUMNS), LIMITS, ROTARY)
     assert torch.broadcast_to(aligned.position_ids, (2, 1)).tolist() == expected
 
 
@@ -112,8 +113,85 @@ def test_on_the_host_a_left_padded_row_after_a_cache_of_transformers_own_is_judg
     the row's third real token after one pad, so only 3 (its column, and the mask's 2 shifted by the pad) continues
     the cache; a position that is the pad alone, or the mask's unshifted, is repaired to it."""
     step = _step(torch.tensor(given), torch.tensor([[0, 1, 1, 1]]), batch=1)
-    aligned = align(step, _cache(3, 1)._replace(columns=True), LIMITS, ROTARY)
+    aligned = align(step, _cache(3, 1)._replace(built=BY_COLUMNS), LIMITS, ROTARY)
     assert aligned.position_ids.tolist() == [[3]]
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ([[3], [1], [2]], [[3], [1], [2]]),  # the mask's: kept
+        ([[3], [3], [3]], [[3], [1], [2]]),  # the columns, which this cache does not hold: the mask's
+        ([[3]], [[3], [1], [2]]),  # one row for all (an arange after the cache): the mask's
+        ([[2], [0], [1]], [[3], [1], [2]]),  # not advanced: the mask's
+    ],
+)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_rotary_positions_after_a_cache_of_the_masks_continue_the_masks(given, expected, on_device):
+    """A cache whose prompt was given the mask's positions (on left-padded rows, where the schemes differ) holds those:
+    only the mask's continue it, so the columns, right after a cache built with them, are repaired to the mask's on
+    left-padded rows, in the mask's words (strict: the error)."""
+    from ._sync import device_reads
+
+    cache = _cache(3)._replace(built=BY_MASK)
+    with device_reads(on_device):
+        aligned = align(_step(torch.tensor(given)), cache, LIMITS, ROTARY)
+    assert torch.broadcast_to(aligned.position_ids, (3, 1)).tolist() == expected
+    if on_device:
+        assert aligned.report.truth == "mask"
+        assert aligned.report.derived.tolist() == [[3], [1], [2]]
+    strict = Policy(strict=True, positions=Positions.ROTARY)
+    if torch.broadcast_to(torch.tensor(given), (3, 1)).tolist() != expected:
+        with pytest.raises(PositionError, match=r"^position_ids\[(\d), 0\] is \d at the step after 3 cached tokens, "
+                           r"but the attention mask puts that real token of row \1 at position \d"):
+            align(_step(torch.tensor(given)), cache, LIMITS, strict)
+    else:
+        assert align(_step(torch.tensor(given)), cache, LIMITS, strict).repairs == ()
+
+
+@pytest.mark.parametrize("new", [1, 2], ids=["decode step", "chunk"])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_no_positions_after_a_cache_of_the_masks_are_the_masks(new, on_device):
+    """After a cache whose prompt was given the mask's positions, a step given none gets the mask's (transformers'
+    own, the columns, would not continue it on a left-padded row), derived on the device and not said; after a cache
+    of transformers' own, or one not known, none are left to transformers, as before."""
+    from ._sync import device_reads
+
+    mask = torch.cat([MASK[:, :3], torch.ones(3, new, dtype=torch.long)], -1)
+    with device_reads(on_device):
+        aligned = align(_step(None, mask, new), _cache(3)._replace(built=BY_MASK), LIMITS, ROTARY)
+        assert aligned.position_ids.tolist() == [[3, 4][:new], [1, 2][:new], [2, 3][:new]]
+        assert aligned.repairs == () or [repair.message for repair in aligned.repairs] == [""]  # (not said)
+        for built in (None, BY_COLUMNS):
+            unknown = align(_step(None, mask, new), _cache(3)._replace(built=built), LIMITS, ROTARY)
+            assert unknown is None or unknown.position_ids is None
+
+
+@pytest.mark.parametrize(
+    "mask, given, built",
+    [
+        ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [0, 0, 1]], BY_MASK),  # the mask's, a left-padded row: told
+        ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [1, 0, 1]], BY_MASK),  # a pad's position is not judged
+        ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2]], None),  # one row for all: the columns (arange), not the mask's
+        ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [0, 1, 2]], None),  # the columns
+        ([[1, 1, 1], [0, 1, 1]], [[5, 6, 7], [0, 5, 6]], None),  # neither: not known
+        ([[1, 1, 1], [1, 1, 0]], [[0, 1, 2], [0, 1, 1]], None),  # no pad before a real token: the schemes agree
+        ([[1, 0, 1], [1, 1, 1]], [[0, 1, 1], [0, 1, 2]], BY_MASK),  # a gap: the mask's differ from the columns there
+    ],
+)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_rotary_prompt_given_the_masks_positions_tells_its_cache_is_built_with_them(mask, given, built, on_device):
+    """A rotary prompt's given positions are read with its values: where a row has a pad before a real token (there
+    the two schemes differ) and every real token is at the mask's position, the cache is built with the mask's
+    (``Aligned.built``, which the wrapper remembers); the step itself is passed on unchanged."""
+    from ._sync import device_reads
+
+    mask, given = torch.tensor(mask), torch.tensor(given)
+    step = StepInputs(torch.ones(2, 3, dtype=torch.long), None, mask, given, None, None)
+    with device_reads(on_device):
+        aligned = align(step, _cache(0, 2), LIMITS, ROTARY)
+    assert aligned.built == built
+    assert aligned.position_ids is given and aligned.repairs == ()
 
 
 def test_a_rotary_chunk_after_a_cache_is_read_and_repaired_at_once():

@@ -12,6 +12,7 @@ import torch
 from neofix import MaskLengthError, PositionError
 from neofix._core import CacheView, Limits, Policy, Positions, StepInputs, align, explain_index_error
 from neofix._core._reads import Question, read_on_device, read_on_host, reader_for
+from neofix._core._types import BY_COLUMNS, BY_MASK
 
 from ._sync import HostReads
 
@@ -547,14 +548,14 @@ def test_align_checks_the_ids_on_the_device_where_no_facts_are_given():
 ROTARY = Policy(positions=Positions.ROTARY)
 
 
-def _rotary(given, mask, past, columns=False, on_device=False, policy=ROTARY):
+def _rotary(given, mask, past, built=None, on_device=False, policy=ROTARY):
     """The positions a rotary step after ``past`` cached tokens is given, read on the host or on the device."""
     from ._sync import device_reads
 
     new = len(given[0])
     mask = None if mask is None else torch.tensor(mask)
     batch = 1 if mask is None else mask.shape[0]
-    cache = CacheView(past, batch, (past, past), None, 4, 8, "object", columns)
+    cache = CacheView(past, batch, (past, past), None, 4, 8, "object", built)
     with device_reads(on_device):
         return align(_step(new, mask, torch.tensor(given), batch), cache, LIMITS, policy)
 
@@ -585,8 +586,8 @@ def test_a_pad_after_a_cache_of_columns_keeps_its_given_position_on_the_device_t
     new tokens keeps the position it was given, on the device as on the host (nothing to repair, nothing reported)."""
     mask = [[1, 1, 1, 1, 1], [0, 0, 0, 0, 1], [0, 0, 1, 1, 1]]
     given = [[3, 4], [1, 4], [3, 4]]  # row 1's first new token is a pad, at a position of its own
-    host = _rotary(given, mask, 3, columns=True)
-    device = _rotary(given, mask, 3, columns=True, on_device=True)
+    host = _rotary(given, mask, 3, built=BY_COLUMNS)
+    device = _rotary(given, mask, 3, built=BY_COLUMNS, on_device=True)
     assert host.position_ids.tolist() == device.position_ids.tolist() == given
     assert host.repairs == device.repairs == ()
 
@@ -603,25 +604,25 @@ def test_rotary_positions_without_a_mask_are_described_by_the_count():
     assert str(rotary.value) == str(absolute.value)
 
 
-@pytest.mark.parametrize("columns", [False, True])
-def test_a_decode_steps_report_says_what_the_strict_error_says(columns):
+@pytest.mark.parametrize("built", [None, BY_COLUMNS, BY_MASK])
+def test_a_decode_steps_report_says_what_the_strict_error_says(built):
     """On the device a decode step's wrong rotary position is repaired unread and reported later: the report, once
     read, describes the position in the words the strict mode's error uses (the cached tokens it follows included)."""
     from neofix._core._values import describe_wrong
 
     mask = [[1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1]]
     given = [[2], [0], [1]]  # not advanced
-    report = _rotary(given, mask, 3, columns, on_device=True).report
+    report = _rotary(given, mask, 3, built, on_device=True).report
     described = describe_wrong(report.wrong, report.given, report.derived, report.past, report.truth)
     with pytest.raises(PositionError) as strict:
-        _rotary(given, mask, 3, columns, policy=Policy(strict=True, positions=Positions.ROTARY))
+        _rotary(given, mask, 3, built, policy=Policy(strict=True, positions=Positions.ROTARY))
     assert str(strict.value).startswith(described + ": ")
 
 
 def test_a_repair_to_the_columns_says_it_used_the_columns():
     """The one-time warning of a repair after a cache of transformers' own positions says which positions it used."""
     mask = [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]
-    aligned = _rotary([[2, 3], [0, 1], [1, 2]], mask, 3, columns=True)  # a chunk, not advanced: read at once
+    aligned = _rotary([[2, 3], [0, 1], [1, 2]], mask, 3, built=BY_COLUMNS)  # a chunk, not advanced: read at once
     (repair,) = aligned.repairs
     assert "; used the cache's. To fix your loop: the prompt was given no position_ids" in repair.message
 

@@ -129,6 +129,18 @@ def test_synced_left_padded_loop(lm):
     assert torch.equal(tokens, reference(lm, ids, mask))
 
 
+def test_positions_given_to_the_prompt_alone_give_the_reference(lm):
+    """A left-padded loop that gives its prompt the mask's positions (as generate gives them) and its decode steps
+    none: the reference's tokens, nothing said, on every family.  Vanilla's are wrong on the rotary families: given
+    none, a new token takes its column, which counts the pads its prompt's positions did not.  neofix read the
+    prompt's positions, so it knows its cache holds the mask's, and derives the mask's for the steps."""
+    ids, mask = left_padded_batch([6, 3, 5])
+    tokens, messages = run(lambda: decode(lm, ids, mask, STEPS, positions="prompt"))
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, reference(lm, ids, mask))
+    assert messages == []
+
+
 def test_stale_mask_is_extended(lm):
     ids, mask = left_padded_batch([6, 3, 5])
     tokens, messages = run(lambda: decode(lm, ids, mask, STEPS, mask_mode="stale", positions="correct"))

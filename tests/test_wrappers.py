@@ -274,27 +274,31 @@ def test_dropped_caches_and_positions_leave_no_bookkeeping_behind(model):
 
 
 @requires("GPT-J rotary positions")
-def test_a_rotary_prompts_cache_leaves_no_bookkeeping_behind_once_dropped():
-    """Which rotary caches hold transformers' own positions (a prompt given none) is remembered per cache, and goes with
-    it, as the right-padded caches' bookkeeping does; a forward that returns no cache (``use_cache=False``,
-    ``return_dict=False``: a one-element tuple) marks nothing and runs as vanilla."""
-    from neofix.testing import tiny_model
+@pytest.mark.parametrize("given", [False, True], ids=["given none", "given the mask's"])
+def test_a_rotary_prompts_cache_leaves_no_bookkeeping_behind_once_dropped(given):
+    """Which positions a rotary cache was built with (transformers' own: a prompt given none; the mask's: a left-padded
+    prompt given them) is remembered per cache, and goes with it, as the right-padded caches' bookkeeping does; a
+    forward that returns no cache (``use_cache=False``, ``return_dict=False``: a one-element tuple) marks nothing and
+    runs as vanilla."""
+    from neofix.testing import reference_positions, tiny_model
 
     lm = tiny_model("gptj", seed=0, dtype=torch.float32)  # (takes rotary positions on every release; tuples up to 4.35)
     ids, mask = torch.tensor([[5, 6, 7, 8], [0, 0, 3, 4]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask) if given else None)
+    registry = _wrappers._BY_MASK if given else _wrappers._BY_COLUMNS
     gc.collect()
-    before = len(_wrappers._COLUMNS)
+    before = len(registry), len(_wrappers._BY_MASK) + len(_wrappers._BY_COLUMNS)
     with torch.no_grad():
-        cache = output_cache(lm(input_ids=ids, attention_mask=mask, use_cache=True))
-        assert len(_wrappers._COLUMNS) == before + 1
+        cache = output_cache(lm(**kwargs, use_cache=True))
+        assert (len(registry), len(_wrappers._BY_MASK) + len(_wrappers._BY_COLUMNS)) == (before[0] + 1, before[1] + 1)
         del cache
         gc.collect()
-        assert len(_wrappers._COLUMNS) == before
-        patched = lm(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=False)
+        assert (len(registry), len(_wrappers._BY_MASK) + len(_wrappers._BY_COLUMNS)) == before
+        patched = lm(**kwargs, use_cache=False, return_dict=False)
         with neofix.unpatched():
-            plain = lm(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=False)
+            plain = lm(**kwargs, use_cache=False, return_dict=False)
     assert len(patched) == len(plain) and all(torch.equal(a, b) for a, b in zip(patched, plain))
-    assert len(_wrappers._COLUMNS) == before
+    assert (len(registry), len(_wrappers._BY_MASK) + len(_wrappers._BY_COLUMNS)) == before
 
 
 # -- legacy tuple caches -----------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from ._reads import Facts
 from ._values import (
     FIX_POSITIONS,
     ValueStep,
+    built_by,
     check_positions_fit,
     check_values,
     positions_kept,
@@ -106,7 +107,7 @@ def align(
         repairs.append(Repair(MASK_SLICED, ""))  # tokens so far
     values = ValueStep(
         step.input_ids, token_types, positions, given, mask if mask_2d else None, model_mask, new, cache.length,
-        cache_position, cache.columns,
+        cache_position, cache.built,
     )
     settled = settle(values, limits, policy, repairs, facts)
     if past_the_table is not None:  # more tokens than the table, where it bounds positions alone: they decide
@@ -121,6 +122,7 @@ def align(
         tuple(repairs),
         settled.report,
         settled.right_padded,
+        settled.built,
     )
 
 
@@ -166,16 +168,17 @@ def keeps_every_rule(
         shape = positions.shape
         if positions_problem(shape, positions.dtype, batch) is not None or shape[-1] != new:
             return False, None
-    compare, derive, read, rotary = value_plan(
-        given, mask is not None, False, new, past, kind, trusted, read_always, strict
+    compare, derive, read, rotary, scheme = value_plan(
+        given, mask is not None, False, new, past, kind, trusted, read_always, strict, cache.built
     )
     if rotary:
         return False, None
     if not read:
         return not (compare or derive), None
-    facts = read_values(input_ids, None, positions, given, compare, mask, new, past, limits)
+    facts = read_values(input_ids, None, positions, given, compare, mask, new, past, limits, None, scheme)
     check_values(facts, input_ids, None, positions, mask, limits)
-    return positions_kept(facts, compare, derive) and not rows_to_mark(facts, past), facts
+    kept = positions_kept(facts, compare, derive) and not rows_to_mark(facts, past) and built_by(facts, scheme) is None
+    return kept, facts
 
 
 # -- 1. the new tokens -----------------------------------------------------------------------------------------------

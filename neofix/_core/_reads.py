@@ -27,7 +27,9 @@ class Question(NamedTuple):
     """What a step asks of its values.  ``positions``: the given positions (``None``: none given); ``compare``: compare
     them with the mask's; ``range_of_positions``: read their smallest and largest value (a family with a position
     table); ``mask``: the aligned 2D mask or ``None``; ``past``: cached tokens (``None``: not known; 0 without a
-    cache); ``slots``: the new tokens' slots where ``past`` is not known (see :func:`new_columns`)."""
+    cache); ``slots``: the new tokens' slots where ``past`` is not known (see :func:`new_columns`); ``scheme``: without
+    a cache, tell whether the given positions are the mask's (a rotary prompt: the positions its cache is built with,
+    :func:`~._values.built_by`)."""
 
     input_ids: Any
     token_types: Any
@@ -38,6 +40,7 @@ class Question(NamedTuple):
     new: int
     past: int | None
     slots: Any = None
+    scheme: bool = False
 
 
 class Facts(NamedTuple):
@@ -46,7 +49,8 @@ class Facts(NamedTuple):
     ``left``: some row has a pad followed by a real token (left padding, or a gap); ``right_padded``: the rows with a
     real token followed by a pad that end in a pad;
     ``wrong``: after a cache, some real new token's given position differs from the mask's (no mask: from the
-    positions after the cache); ``counts_pads``: without a cache, the rows whose given positions count their left
+    positions after the cache), or, without a cache where ``scheme`` asks and some row has a pad before a real token,
+    some real token's; ``counts_pads``: without a cache, the rows whose given positions count their left
     padding (``arange`` over the padded width).
     """
 
@@ -69,7 +73,7 @@ _new = tuple.__new__
 
 def reader_for(question: Question) -> Reader:
     """The reader of a step: on the host where every tensor it reads is in CPU memory, else on the device."""
-    input_ids, _, positions, _, _, mask, _, _, _ = question
+    input_ids, _, positions, _, _, mask, _, _, _, _ = question
     if (
         (input_ids is None or input_ids.is_cpu)
         and (mask is None or mask.is_cpu)
@@ -83,7 +87,7 @@ def reader_for(question: Question) -> Reader:
 
 
 def read_on_host(question: Question) -> Facts:
-    input_ids, _, positions, compare, _, mask, new, past, _ = question
+    input_ids, _, positions, compare, _, mask, new, past, _, scheme = question
     if mask is None:
         rows = leading = None
         binary, left, right = True, False, ()
@@ -91,12 +95,15 @@ def read_on_host(question: Question) -> Facts:
         rows = mask.tolist()
         binary, left, right, leading = _scan(rows)
     wrong, counts_pads = False, ()
-    if compare and binary and (past != 0 or left):  # (without a cache only a row with left padding can count it)
+    # (without a cache only a row with a pad before a real token can count its pads, or tell the schemes apart)
+    if (compare or scheme) and binary and (past != 0 or left):
         given = positions.tolist()
         given = [given] if not given or type(given[0]) is not list else given
         if len(given) == 1:
             given *= len(rows) if rows is not None else len(input_ids if input_ids is not None else given)
-        if past == 0:
+        if scheme:
+            wrong = any(map(_wrong, rows, leading, given, repeat(new)))  # type: ignore[arg-type]
+        elif past == 0:
             counts_pads = tuple(row for row, own in enumerate(given) if rows is not None and _counts_pads(rows[row], own))
         elif rows is None:  # every token real: the new tokens continue after the cache
             wrong = past is not None and any(own != _numbers(past, past + new) for own in given)
@@ -177,7 +184,7 @@ def _counts_pads(row: list[int], own: list[int]) -> bool:
 
 
 def read_on_device(question: Question) -> Facts:
-    input_ids, token_types, positions, compare, range_of_positions, mask, new, past, slots = question
+    input_ids, token_types, positions, compare, range_of_positions, mask, new, past, slots, scheme = question
     parts: list[torch.Tensor] = []
 
     def add(*tensors: torch.Tensor) -> slice:
@@ -194,7 +201,7 @@ def read_on_device(question: Question) -> Facts:
         if mask.shape[-1] > 1:  # per row: +1 where a pad is followed by a real token, -1 the other way
             steps = add(*torch.aminmax(torch.diff(mask.long(), dim=-1), dim=-1))
             last = add(mask[:, -1])
-    if compare and past != 0:
+    if (compare and past != 0) or scheme:
         truth = step_truth(mask, new, past, positions, slots)
         if truth is not None:
             derived, real = truth

@@ -46,10 +46,11 @@ class Positions(enum.Enum):
     * ``ROTARY`` (GPT-J, CodeGen, GPT-NeoX, Llama and the modern decoders): only differences matter, so
       transformers' own positions (which count left padding) are as right as the mask's, and a cache built with
       either must be continued with the same: missing positions are left to the model; given ones are left as they
-      are where they are either scheme's (only the columns' after a cache that holds transformers' own:
-      ``CacheView.columns``), and after a cache repaired where they are not (positions that do not advance, see
+      are where they are either scheme's (only the scheme the cache was built with, where its prompt told it:
+      ``CacheView.built``), and after a cache repaired where they are not (positions that do not advance, see
       :func:`~neofix._core._values.rotary_truth`); stale ones cannot be told apart from either scheme:
-      an error.
+      an error.  After a cache built with the mask's positions, missing ones are derived from the mask (transformers'
+      own, the columns, would not continue it).
     * ``NONE`` (BLOOM, ALiBi): the model takes no positions; they are left alone.
     """
 
@@ -89,9 +90,11 @@ class CacheView(NamedTuple):
     heads: int | None
     head_dim: int | None
     layout: str
-    #: Whether its tokens hold transformers' own positions, each its column (left padding counted): a rotary family's
-    #: prompt given no ``position_ids`` built it, as its caller saw (``False``: not known).
-    columns: bool = False
+    #: The positions its tokens were given, where its caller saw a rotary family's prompt build it: ``BY_COLUMNS``,
+    #: transformers' own, each its column (left padding counted: the prompt was given no ``position_ids``);
+    #: ``BY_MASK``, the mask's (the prompt was given them, and a left-padded row tells them from the columns); ``None``:
+    #: not known.
+    built: str | None = None
 
 
 NO_CACHE = CacheView(0, None, None, None, None, None, "none")
@@ -147,7 +150,8 @@ class Policy(NamedTuple):
 
 #: What a repaired position after a cache is taken from (a :class:`Report`'s ``truth``): the attention mask; the mask
 #: shifted by the row's leading pads, where the cache holds transformers' own positions (a rotary prompt given none,
-#: its real tokens at their columns); or, with no mask, the count of tokens.
+#: its real tokens at their columns); or, with no mask, the count of tokens.  The first two also name the positions a
+#: rotary cache was built with (:attr:`CacheView.built`).
 BY_MASK, BY_COLUMNS, BY_COUNT = "mask", "columns", "count"
 
 
@@ -183,6 +187,8 @@ class Aligned(NamedTuple):
     repairs: tuple[Repair, ...]
     report: Report | None = None
     right_padded: tuple[int, ...] = ()
+    #: A rotary prompt's positions, where its values told them: ``BY_MASK`` (see :attr:`CacheView.built`), else None.
+    built: str | None = None
 
     @property
     def repair_kinds(self) -> tuple[str, ...]:

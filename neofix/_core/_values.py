@@ -49,8 +49,8 @@ class ValueStep(NamedTuple):
     """What the value rules work on, after the shape rules (:mod:`._align`).  ``positions``: the caller's
     (``given``), ``None``, or positions made from shapes (``given`` False: stale ones replaced without a mask);
     ``mask``: the aligned 2D mask or ``None``; ``model_mask``: a 3D or 4D mask was given (positions are then never
-    compared with or derived from a mask); ``past``: cached tokens (``None``: not known); ``columns``: the cache holds
-    transformers' own positions (:class:`~._types.CacheView`)."""
+    compared with or derived from a mask); ``past``: cached tokens (``None``: not known); ``built``: the positions the
+    cache was built with, where known (:attr:`~._types.CacheView.built`)."""
 
     input_ids: Any
     token_types: Any
@@ -61,13 +61,14 @@ class ValueStep(NamedTuple):
     new: int
     past: int | None
     cache_position: Any
-    columns: bool = False
+    built: str | None = None
 
 
 class Settled(NamedTuple):
     positions: Any
     report: Report | None
     right_padded: tuple[int, ...]
+    built: str | None = None
 
 
 def settle(
@@ -75,9 +76,9 @@ def settle(
 ) -> Settled:
     """The step's positions, after every value rule the step gets (raises for values no repair can make right).
     ``facts``: the step's values where they were read already (by :func:`~._align.keeps_every_rule`)."""
-    compare, derive, read, rotary = value_plan(
+    compare, derive, read, rotary, scheme = value_plan(
         step.given, step.mask is not None, step.model_mask, step.new, step.past, policy.positions,
-        policy.trusted_positions, policy.check_values, policy.strict,
+        policy.trusted_positions, policy.check_values, policy.strict, step.built,
     )
     report = None
     if rotary:
@@ -93,11 +94,11 @@ def settle(
     if facts is None:
         facts = read_values(
             step.input_ids, step.token_types, step.positions, step.given, compare, step.mask, step.new, step.past,
-            limits, step.cache_position,
+            limits, step.cache_position, scheme,
         )
         check_values(facts, step.input_ids, step.token_types, step.positions, step.mask, limits)
     positions = _positions_from(facts, step, compare, derive, policy, repairs)
-    return Settled(positions, None, rows_to_mark(facts, step.past))
+    return Settled(positions, None, rows_to_mark(facts, step.past), built_by(facts, scheme))
 
 
 def value_plan(
@@ -110,17 +111,21 @@ def value_plan(
     trusted: bool,
     check_values: bool,
     strict: bool,
-) -> tuple[bool, bool, bool, bool]:
-    """``(compare, derive, read, rotary)``: whether given positions are compared with the 2D mask's (``kind`` looks
-    them up in a table, and generate did not build them from the mask after a cache), whether missing ones are
-    derived from it, whether the step reads its values (every step but a single-token decode step, unless
-    ``check_values`` asks, or strict mode must judge given positions at once), and whether given rotary positions
-    after a cache are judged by :func:`rotary_truth` (not generate's own)."""
+    built: str | None = None,
+) -> tuple[bool, bool, bool, bool, bool]:
+    """``(compare, derive, read, rotary, scheme)``: whether given positions are compared with the 2D mask's (``kind``
+    looks them up in a table, and generate did not build them from the mask after a cache), whether missing ones are
+    derived from it (``kind`` derives none itself, or the cache was ``built`` with the mask's), whether the step reads
+    its values (every step but a single-token decode step, unless ``check_values`` asks, or strict mode must judge
+    given positions at once), whether given rotary positions after a cache are judged by :func:`rotary_truth` (not
+    generate's own), and whether a rotary prompt's given positions are read for the scheme its cache is built with
+    (:func:`built_by`)."""
     compare = given and kind.compared and not model_mask and (not trusted or past == 0)
-    derive = not given and kind.derived and mask_2d
+    derive = not given and mask_2d and (kind.derived or built == BY_MASK)
     decode = new == 1 and past != 0
     rotary = given and kind.rotary and bool(past) and not model_mask and not trusted
-    return compare, derive, not decode or check_values or (compare and strict), rotary
+    scheme = given and kind.rotary and past == 0 and mask_2d
+    return compare, derive, not decode or check_values or (compare and strict), rotary, scheme
 
 
 def read_values(
@@ -134,13 +139,14 @@ def read_values(
     past: int | None,
     limits: Limits,
     slots: Any = None,
+    scheme: bool = False,
 ) -> Facts:
     """Read a step's values once, by the reader :func:`~._reads.reader_for` picks (given positions' range only where
-    the family has a position table; ``slots``: see :class:`~._reads.Question`)."""
+    the family has a position table; ``slots`` and ``scheme``: see :class:`~._reads.Question`)."""
     question = _new(  # (Question's own constructor is a Python function: built directly, as it does)
         Question,
         (input_ids, token_types, positions if given else None, compare, given and limits.max_positions is not None, mask,
-         new, past, slots),
+         new, past, slots, scheme),
     )
     return _reads.reader_for(question)(question)
 
@@ -158,12 +164,19 @@ def rows_to_mark(facts: Facts, past: int | None) -> tuple[int, ...]:
     return facts.right_padded if past == 0 else ()
 
 
+def built_by(facts: Facts, scheme: bool) -> str | None:
+    """The positions a rotary prompt's cache is built with, where its values tell (``scheme``: the prompt's given
+    positions were read): ``BY_MASK`` where a row has a pad before a real token (there the mask's and the columns
+    differ) and every real token is at the mask's position; else ``None`` (not known: either scheme continues it)."""
+    return BY_MASK if scheme and facts.left and not facts.wrong else None
+
+
 def _empty(tensor: Any) -> bool:
     return tensor is not None and not tensor.numel()
 
 
 def rotary_truth(
-    positions: torch.Tensor, mask: Any, new: int, past: int, columns: bool
+    positions: torch.Tensor, mask: Any, new: int, past: int, built: str | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(target, wrong)`` for rotary positions given after a cache of ``past`` tokens (computed on the device).
 
@@ -174,10 +187,12 @@ def rotary_truth(
     ``target``'s are ``wrong``, ``target`` being the scheme the rows agree on: one position shared by rows whose mask
     positions differ counts columns (a shared ``arange``); else the mask's (per row, as generate builds them).
     Without a mask every token is real and both schemes are the column.  Where the cache is known to hold
-    transformers' own positions (``columns``: its prompt was given none, so its real tokens sit at their columns,
-    left padding counted), the mask's scheme is shifted by each row's leading pads, as its prompt was: ``target`` is
-    that, which is the column on a left-padded row and the mask's on a row without leading pads (right padding, or a
-    pad fed after the prompt), and the mask's own positions are wrong on a left-padded row.
+    transformers' own positions (``built`` ``BY_COLUMNS``: its prompt was given none, so its real tokens sit at their
+    columns, left padding counted), the mask's scheme is shifted by each row's leading pads, as its prompt was:
+    ``target`` is that, which is the column on a left-padded row and the mask's on a row without leading pads (right
+    padding, or a pad fed after the prompt), and the mask's own positions are wrong on a left-padded row.  Where it is
+    known to hold the mask's (``BY_MASK``: its prompt was given them), ``target`` is the mask's, and the columns are
+    wrong on a row with a pad before a real token.
     """
     column = torch.arange(past, past + new, device=positions.device).unsqueeze(0)
     if positions.dim() == 1:  # one row for every row
@@ -186,11 +201,13 @@ def rotary_truth(
         return column, positions != column
     counted = mask.long().cumsum(-1)
     derived = counted[:, -new:] - 1
-    if columns:
+    if built == BY_COLUMNS:
         derived = derived + (counted == 0).sum(-1, keepdim=True)  # (the row's leading pads)
     real = mask[:, -new:] != 0
-    either = (~real | (positions == column)).all() | (~real | (positions == derived)).all()  # one scheme, every row
-    if columns:
+    either = (~real | (positions == derived)).all()  # one scheme, every row: the mask's (shifted, after columns)
+    if built != BY_MASK:
+        either = either | (~real | (positions == column)).all()  # or the columns
+    if built is not None:
         target = derived
     else:
         shared = (positions == positions[:1]).all() & (derived != derived[:1]).any()
@@ -202,11 +219,11 @@ def _settle_rotary(step: ValueStep, policy: Policy, decode: bool, repairs: list[
     """Rotary positions given after a cache: repaired where they are neither scheme's (:func:`rotary_truth`); on a
     decode step on the device without a read (a :class:`Report` for the caller), else read at once (strict:
     :class:`PositionError`)."""
-    positions, mask, past, columns = step.positions, step.mask, step.past, step.columns
-    if not policy.compiling and on_host(positions, mask) and _either_scheme(positions, mask, step.new, past, columns):
+    positions, mask, past, built = step.positions, step.mask, step.past, step.built
+    if not policy.compiling and on_host(positions, mask) and _either_scheme(positions, mask, step.new, past, built):
         return positions, None  # read on the host (a list scan: nothing to wait for), and right: nothing to do
-    target, wrong = rotary_truth(positions, mask, step.new, past, columns)  # type: ignore[arg-type]
-    truth = _truth(mask, columns)
+    target, wrong = rotary_truth(positions, mask, step.new, past, built)  # type: ignore[arg-type]
+    truth = _truth(mask, built)
     if policy.compiling or (decode and not policy.check_values and not policy.strict):
         repaired = torch.where(wrong, target, positions)
         return repaired, None if policy.compiling else Report(wrong, positions, target, past, truth)
@@ -221,10 +238,10 @@ def on_host(positions: Any, mask: Any) -> bool:
     return _reads.reader_for(Question(None, None, positions, False, False, mask, 0, None, None)) is _reads.read_on_host
 
 
-def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, columns: bool) -> bool:
-    """:func:`rotary_truth`'s "right" on the host: every real token's given position is its column's, or every one's
-    is the mask's (shifted by its row's leading pads where the cache holds ``columns``): list scans of the positions
-    and the mask."""
+def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, built: str | None) -> bool:
+    """:func:`rotary_truth`'s "right" on the host: every real token's given position is its column's (not after a
+    cache ``built`` with the mask's), or every one's is the mask's (shifted by its row's leading pads after one built
+    with the columns): list scans of the positions and the mask."""
     given = positions.tolist()
     if positions.dim() == 1:
         given = [given]
@@ -234,10 +251,10 @@ def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, colu
     rows = mask.tolist()
     if len(given) == 1:
         given = given * len(rows)
-    as_columns = as_mask = True
+    as_columns, as_mask = built != BY_MASK, True
     for row, values in zip(rows, given):
         before = sum(row[:-new]) if len(row) > new else 0
-        if columns and 1 in row:
+        if built == BY_COLUMNS and 1 in row:
             before += row.index(1)  # (the row's leading pads: its prompt's real tokens sit at their columns)
         for value, flag, at in zip(values, row[-new:], column):
             before += flag
@@ -463,8 +480,8 @@ def describe_wrong(
     return describe_position(row, column, value, expected, past, truth)
 
 
-def _truth(mask: Any, columns: bool = False) -> str:
-    return BY_COUNT if mask is None else BY_COLUMNS if columns else BY_MASK
+def _truth(mask: Any, built: str | None = None) -> str:
+    return BY_COUNT if mask is None else BY_COLUMNS if built == BY_COLUMNS else BY_MASK
 
 
 _CAUSE = "arange over a left-padded batch, or a loop that does not increment its positions?"

@@ -36,8 +36,9 @@ Then, once per model and batch, outside the timed runs:
   touches a cache-shaped (4-D) tensor (a copy of the KV cache) or converts a tensor to a Python value (a host-device
   synchronisation on an accelerator).
 
-Targets (issue 7): median patched/vanilla step ratio <= 1.02 on the tiny model, <= 1.005 on the 125M shape; the
-``step`` interleaving decides PASS / MISS.  The exit status is 1 when a correctness check fails, or (with
+Target (issue 36): median patched/vanilla step ratio <= 1.003 on the 125M shape (the tiny model's is reported, not
+targeted: its steps are too short to tell neofix's microseconds from the machine's noise); the ``step`` interleaving
+decides PASS / MISS.  The exit status is 1 when a correctness check fails, or (with
 ``--strict``) a target is missed.
 """
 
@@ -67,7 +68,7 @@ torch.set_num_threads(1)
 
 NEW_TOKENS = 48
 PROMPT = 16
-TARGETS = {"tiny": 1.02, "125m": 1.005}
+TARGETS = {"tiny": None, "125m": 1.003}  # None: reported, not targeted
 LENGTHS = {1: [PROMPT], 4: [PROMPT, 11, 6, 13]}  # real tokens per row; shorter rows are left-padded
 DEFAULT_PAIRS = {  # (run pairs, step pairs) per repeat; --quick: the second table
     False: {"tiny": (20, 10), "125m": (4, 3)},
@@ -548,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         row = measure_steps(model, ids, mask, pairs, args.family)
                     median = row["step_ratio"]["median"]
-                    verdict = ("PASS" if median <= TARGETS[name] else "MISS") if mode == "step" else "(info)"
+                    target = TARGETS[name]
+                    verdict = ("PASS" if median <= target else "MISS") if mode == "step" and target else "(info)"
                     if verdict == "MISS" and args.strict:
                         failed.append(f"{name} batch {batch} repeat {rep}: median step ratio {median:.4f}")
                     row.update(model=name, batch=batch, interleave=mode, repeat=rep, load=load())
@@ -558,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"{name:5} {batch:5d} {mode:>10} {rep:3d} {pairs:5d}  {row['vanilla_step_ms']:7.3f}ms "
                         f"{row['patched_step_ms']:7.3f}ms {extra_us:+8.1f}  "
-                        f"{fmt_ratio(row['step_ratio']):>29}  {verdict:>4} <= {TARGETS[name]:<5}  {total:>25}",
+                        f"{fmt_ratio(row['step_ratio']):>29}  {verdict:>6} <= {target or '-':<5}  {total:>25}",
                         flush=True,
                     )
     print(f"\nload average at the end: {load()}")

@@ -37,8 +37,8 @@ so the median of 200 moves by 1 - 2%).  So each row gives two measures taken in 
          way; ``blocks`` is that difference for the blocks, the check that it is about 0), and
          ``1 + net / vanilla``: what the pairs' ratio would be without the blocks' noise.
 
-``1 + net / vanilla`` is judged against the targets of issue 12: <= 1.02 on the tiny model, <= 1.005 on the 125M
-shape (``--strict`` exits 1 where one misses).
+``1 + net / vanilla`` is judged against the target of issue 36: <= 1.003 on the 125M shape (``--strict`` exits 1
+where it misses); the tiny model's is reported, not targeted.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from bench_decode import WrapperSwitch, build_model, load, machine  # noqa: E402
 
 torch.set_num_threads(1)
 
-TARGETS = {"tiny": 1.02, "125m": 1.005}
+TARGETS = {"tiny": None, "125m": 1.003}  # None: reported, not targeted
 SHAPES = {"tiny": [(2, 32), (8, 48)], "125m": [(1, 128)]}
 KINDS = ("prefill", "chunked prefill", "training step", "classification", "prefill+positions", "chunk+positions")
 DEFAULT_PAIRS = {False: {"tiny": 200, "125m": 12}, True: {"tiny": 40, "125m": 3}}
@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                         row["own_ratio"] = 1 + row["own_us"] / row["vanilla_us"]
                         row["net_ratio"] = 1 + row["net_us"] / row["vanilla_us"]
                         model.eval()
-                        verdict = "PASS" if row["net_ratio"] <= TARGETS[name] else "MISS"
+                        target = TARGETS[name]
+                        verdict = ("PASS" if row["net_ratio"] <= target else "MISS") if target else "(info)"
                         if verdict == "MISS" and args.strict:
                             failed.append(f"{kind} {name} {batch}x{length}: {row['net_ratio']:.4f}")
                         row.update(kind=kind, model=name, batch=batch, length=length, padded=padded)
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{pairs:5d}  {row['vanilla_us']:8.0f}us {row['patched_us']:8.0f}us "
                             f"{row['ratio_min']:7.3f} / {row['ratio_median']:.4f} / {row['ratio_max']:.3f}  "
                             f"{row['own_us']:4.0f}us {row['own_ratio']:13.4f}  {row['net_us']:4.0f}us "
-                            f"{row['blocks_delta_us']:5.0f}us {row['net_ratio']:13.4f}  {verdict} <= {TARGETS[name]}",
+                            f"{row['blocks_delta_us']:5.0f}us {row['net_ratio']:13.4f}  {verdict} <= {target or '-'}",
                             flush=True,
                         )
     finally:

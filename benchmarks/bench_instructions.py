@@ -19,8 +19,8 @@ valgrind's headers) switches it on only around what is counted, in two phases ov
 
 Each phase gives instructions (Ir), L1 misses (instruction and data) and last-level misses per call, and
 callgrind's estimate of cycles, ``Ir + 10 x L1 misses + 100 x LL misses``.  ``1 + own / vanilla`` (in estimated
-cycles) is the ratio neofix's cost gives, judged against the targets of issue 12 (<= 1.02 tiny, <= 1.005 125M
-shape).  The counts repeat to a few tenths of a percent from run to run, where a wall-clock ratio on a shared
+cycles) is the ratio neofix's cost gives, judged against the target of issue 36 (<= 1.003 on the 125M shape; the tiny
+model's reported, not targeted).  The counts repeat to a few tenths of a percent from run to run, where a wall-clock ratio on a shared
 two-core machine moves by percents: use this to compare builds, ``bench_forward.py`` for seconds.
 """
 
@@ -49,7 +49,7 @@ void neofix_zero(void) { CALLGRIND_ZERO_STATS; }
 void neofix_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
 void neofix_start(void) { CALLGRIND_START_INSTRUMENTATION; }
 """
-TARGETS = {"tiny": 1.02, "125m": 1.005}
+TARGETS = {"tiny": None, "125m": 1.003}  # None: reported, not targeted
 KINDS = (
     "prefill", "chunked prefill", "training step", "classification", "prefill+positions", "chunk+positions",
     "decode", "decode loop", "decode loop+positions",
@@ -317,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         compared = "-".rjust(14) + "  " + "-".rjust(13) + "  -"
         if vanilla is not None:
             ratio = 1 + own["cycles"] / vanilla["cycles"]
-            verdict = "PASS" if ratio <= TARGETS[name] else "MISS"
-            compared = f"{vanilla['cycles'] / 1e6:13.2f}M  {ratio:13.4f}  {verdict} <= {TARGETS[name]}"
+            target = TARGETS[name]
+            verdict = ("PASS" if ratio <= target else "MISS") if target else "(info)"
+            compared = f"{vanilla['cycles'] / 1e6:13.2f}M  {ratio:13.4f}  {verdict} <= {target or '-'}"
         print(
             f"{kind:21} {name:5} {shape:>6} {'left-padded' if padded == '1' else 'unpadded':>11}  "
             f"{own['ir'] / 1e3:7.1f}k {own['l1']:7.0f} {own['cycles'] / 1e3:9.1f}k  {compared}"

@@ -123,8 +123,10 @@ def value_plan(
     compare = given and kind.compared and not model_mask and (not trusted or past == 0)
     derive = not given and mask_2d and (kind.derived or built == BY_MASK)
     decode = new == 1 and past != 0
-    rotary = given and kind.rotary and bool(past) and not model_mask and not trusted
-    scheme = given and kind.rotary and past == 0 and mask_2d
+    rotary = scheme = False
+    if given and kind.rotary and not model_mask:
+        rotary = bool(past) and not trusted
+        scheme = past == 0 and mask_2d
     return compare, derive, not decode or check_values or (compare and strict), rotary, scheme
 
 

@@ -49,7 +49,7 @@ from ._core import (
     explain_index_error,
     keeps_every_rule,
 )
-from ._core._types import BY_COLUMNS, BY_MASK
+from ._core._types import BY_COLUMNS
 from ._errors import (
     AttentionWindowError,
     InputShapeError,
@@ -134,7 +134,8 @@ def _passed_on(input_ids: Any, adapter: Adapter) -> bool:
 def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheView:
     """The call's cache read into a :class:`~neofix._core.CacheView` (a legacy tuple the release rejects wrapped
     first), checked against the family's own limits."""
-    key, cache = _caches.of_call(call)
+    key, given = _caches.of_call(call)
+    cache = given
     if type(cache) is tuple and cache and adapter.legacy_cache_rejected:
         call[key] = cache = _legacy_cache(cache, model.config)
     if cache is None and adapter.held_cache is not None:
@@ -144,8 +145,8 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
         adapter.check_step(model, view, call)
         if _RIGHT_PADDED and view.length != 0:
             _check_right_padding(call)
-        if (_BY_COLUMNS or _BY_MASK) and view.length:
-            built = _built(cache)
+        if _BUILT and view.length:
+            built = _built(given)  # (a legacy tuple by its first key: generate may return its cache's own tensors)
             if built is not None:
                 return view._replace(built=built)
     return view
@@ -370,41 +371,41 @@ def _mark_right_padded(output: Any, rows: tuple[int, ...]) -> None:
 
 # -- which positions a rotary family's cache holds ---------------------------------------------------------------------
 
-# id(cache, or for a legacy cache its first key) -> weak reference to it: the caches a rotary family's prompt built
-# with transformers' own positions (it was given none) and with the mask's (:func:`_mark_built`), and those continued
-# from them
-_BY_COLUMNS: dict[int, Any] = {}
-_BY_MASK: dict[int, Any] = {}
-_BUILT = ((BY_COLUMNS, _BY_COLUMNS), (BY_MASK, _BY_MASK))
+# id(cache, or for a legacy cache its first key) -> (weak reference to it, the positions a rotary family's prompt
+# built it with: BY_COLUMNS, BY_MASK or BY_GIVEN, see :func:`_mark_built`), for the caches such a prompt returned and
+# those continued from them
+_BUILT: dict[int, tuple[Any, str]] = {}
 
 
 def _built(cache: Any) -> str | None:
     """The positions ``cache`` was built with, where its prompt told (:attr:`~neofix._core.CacheView.built`)."""
     key = _cache_key(cache)
-    for built, registry in _BUILT:
-        if registry and _remembered(registry, key):
-            return built
-    return None
+    entry = _BUILT.get(id(key))
+    return entry[1] if entry is not None and entry[0]() is key else None
 
 
 def _mark_built(output: Any, built: str | None) -> None:
-    """Remember the positions the cache a rotary family's prompt returned is built with: transformers' own
-    (``BY_COLUMNS``: the prompt was given no ``position_ids``, so each token's is its column, left padding counted), the
-    mask's (``BY_MASK``: given, and read to be the mask's where a row tells them from the columns) or not known
-    (``None``), so that the positions of the steps after it continue those alone
+    """Remember the positions the cache a rotary family's prompt returned is built with (``built``, see
+    :attr:`~neofix._core.CacheView.built`: transformers' own where the prompt was given no ``position_ids``, else
+    what its given ones were read to be; ``None``: not known), so that the steps after it are judged against those
     (:func:`~neofix._core._values.rotary_truth`, :func:`~neofix._core._values.value_plan`); a step after such a cache
-    marks the one it returns (a legacy tuple is a new object at every step)."""
-    key = _cache_key(_output_cache(output))
+    marks the one it returns (a legacy tuple is a new object at every step).  A cache object of 4.36 - 4.55 is also
+    remembered by its first key tensor: generate returns it as a legacy tuple of its own tensors on some releases."""
+    cache = _output_cache(output)
+    key = _cache_key(cache)
     if key is None:
         return
-    for scheme, registry in _BUILT:
-        if scheme != built:
-            registry.pop(id(key), None)  # (a cache used again from its start, its prompt given other positions)
-        elif not _remembered(registry, key):
+    keys = getattr(cache, "key_cache", None)
+    for each in (key, keys[0]) if type(keys) is list and keys else (key,):
+        entry = _BUILT.get(id(each))
+        if built is None:
+            _BUILT.pop(id(each), None)  # (a cache used again from its start, its prompt given other positions)
+        elif entry is None or entry[0]() is not each or entry[1] != built:
             try:
-                _remember(registry, key)
+                reference = weakref.ref(each, lambda _, k=id(each): _BUILT.pop(k, None))
             except TypeError:  # not weakly referenceable: not followed
-                pass
+                continue
+            _BUILT[id(each)] = (reference, built)
 
 
 def _check_right_padding(kwargs: dict) -> None:

@@ -20,6 +20,7 @@ FEATURES = {
     "assisted decoding": ((4, 29), "generate(assistant_model=...) arrived in transformers 4.29"),
     "prompt lookup": ((4, 37), "generate(prompt_lookup_num_tokens=...) arrived in transformers 4.37"),
     "Cache objects": ((4, 36), "transformers.cache_utils.DynamicCache arrived in 4.36"),
+    "generate returns its cache": ((4, 36), "generate's outputs hold past_key_values from transformers 4.36"),
     "legacy tuple caches": ((0, 0), ""),
     "float64 mask bug": ((4, 36), "only transformers 4.36 - 4.44 build the causal mask through the buggy helper"),
     "fx tracing": ((0, 0), ""),

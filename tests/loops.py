@@ -61,7 +61,8 @@ def decode(
                 passed at every step (the classic bug).
     positions   "none" | "correct" (new tokens only) | "full" (every token so far) | "stale" (the prompt's) |
                 "frozen" (correct for the prompt, then the prompt's last position again at every step: a loop that
-                forgets to increment) | "prompt" (correct for the prompt, as generate gives them, then none) | "arange" (arange over the padded width, then the sequence length: the
+                forgets to increment) | "prompt" (correct for the prompt, as generate gives them, then none) |
+                "offset" (correct plus one at every step: consistent, a loop counting from 1) | "arange" (arange over the padded width, then the sequence length: the
                 classic batched-generation bug).
     cache_format "native" (what the model returned) | "legacy" (tuples) | "object" (a DynamicCache).
     chunks      split points: the prompt is fed in pieces with the cache (chunked prefill).
@@ -93,6 +94,8 @@ def decode(
             kwargs["position_ids"] = reference_positions(step_mask)
         elif positions == "stale":
             kwargs["position_ids"] = reference_positions(prompt_mask)
+        elif positions == "offset":
+            kwargs["position_ids"] = reference_positions(step_mask)[:, -new.shape[1]:] + 1
         elif positions == "prompt":
             if step < len(feeds):
                 kwargs["position_ids"] = reference_positions(step_mask)[:, -new.shape[1]:]

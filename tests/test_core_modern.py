@@ -9,7 +9,7 @@ import torch
 
 from neofix import CacheLengthError, PositionError
 from neofix._core import CacheView, Limits, Policy, Positions, StepInputs, align
-from neofix._core._types import BY_COLUMNS, BY_MASK
+from neofix._core._types import BY_COLUMNS, BY_GIVEN, BY_MASK
 
 LIMITS = Limits(max_positions=None, vocab_size=96, hidden_size=32, heads=2, head_dim=8)
 ROTARY = Policy(positions=Positions.ROTARY)
@@ -172,26 +172,44 @@ def test_no_positions_after_a_cache_of_the_masks_are_the_masks(new, on_device):
     [
         ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [0, 0, 1]], BY_MASK),  # the mask's, a left-padded row: told
         ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [1, 0, 1]], BY_MASK),  # a pad's position is not judged
-        ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2]], None),  # one row for all: the columns (arange), not the mask's
-        ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [0, 1, 2]], None),  # the columns
-        ([[1, 1, 1], [0, 1, 1]], [[5, 6, 7], [0, 5, 6]], None),  # neither: not known
+        ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2]], BY_COLUMNS),  # one row for all, an arange: the columns
+        ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [5, 1, 2]], BY_COLUMNS),  # the columns (the pad's not judged)
+        ([[1, 1, 1], [0, 1, 1]], [[5, 6, 7], [0, 5, 6]], BY_GIVEN),  # neither: the caller's own
+        ([[1, 1, 1], [1, 1, 1]], [[1, 2, 3]], BY_GIVEN),  # every token real, positions from 1: the caller's own
         ([[1, 1, 1], [1, 1, 0]], [[0, 1, 2], [0, 1, 1]], None),  # no pad before a real token: the schemes agree
         ([[1, 0, 1], [1, 1, 1]], [[0, 1, 1], [0, 1, 2]], BY_MASK),  # a gap: the mask's differ from the columns there
+        ([[1, 0, 1], [1, 1, 1]], [[0, 1, 2], [0, 1, 2]], BY_COLUMNS),  # the gap's real token at its column
+        (None, [[0, 1, 2]], None),  # no mask, every token real: both schemes are the columns
+        (None, [[1, 2, 3], [0, 1, 2]], BY_GIVEN),  # no mask, a row's positions from 1: the caller's own
     ],
 )
 @pytest.mark.parametrize("on_device", [False, True])
-def test_a_rotary_prompt_given_the_masks_positions_tells_its_cache_is_built_with_them(mask, given, built, on_device):
-    """A rotary prompt's given positions are read with its values: where a row has a pad before a real token (there
-    the two schemes differ) and every real token is at the mask's position, the cache is built with the mask's
-    (``Aligned.built``, which the wrapper remembers); the step itself is passed on unchanged."""
+def test_a_rotary_prompts_given_positions_tell_which_its_cache_is_built_with(mask, given, built, on_device):
+    """A rotary prompt's given positions are read with its values: every real token at the mask's position, where a
+    row has a pad before a real token (there the two schemes differ), builds the cache with the mask's; every one at
+    its column, where the schemes differ, with the columns; neither, with the caller's own (``Aligned.built``, which
+    the wrapper remembers).  The step itself is passed on unchanged."""
     from ._sync import device_reads
 
-    mask, given = torch.tensor(mask), torch.tensor(given)
+    mask, given = (None if mask is None else torch.tensor(mask)), torch.tensor(given)
     step = StepInputs(torch.ones(2, 3, dtype=torch.long), None, mask, given, None, None)
     with device_reads(on_device):
         aligned = align(step, _cache(0, 2), LIMITS, ROTARY)
     assert aligned.built == built
     assert aligned.position_ids is given and aligned.repairs == ()
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_after_a_cache_of_the_callers_own_positions_given_ones_are_left_as_given(on_device):
+    """A cache built with positions of neither scheme (from 1, say: only differences matter, so vanilla decodes the
+    reference's tokens) is continued by the caller's own: positions that are neither the columns nor the mask's are
+    left as given, on the device as on the host, and nothing is said."""
+    from ._sync import device_reads
+
+    with device_reads(on_device):
+        aligned = align(_step(torch.tensor([[4], [2], [3]])), _cache(3)._replace(built=BY_GIVEN), LIMITS, ROTARY)
+    assert aligned.position_ids.tolist() == [[4], [2], [3]]
+    assert aligned.repairs == () and aligned.report is None
 
 
 def test_a_rotary_chunk_after_a_cache_is_read_and_repaired_at_once():

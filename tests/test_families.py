@@ -141,6 +141,62 @@ def test_positions_given_to_the_prompt_alone_give_the_reference(lm):
     assert messages == []
 
 
+@pytest.mark.parametrize("lengths", [[6, 3, 5], [6, 6, 6]], ids=["left-padded", "unpadded"])
+def test_positions_offset_from_the_masks_run_as_vanilla_on_a_rotary_family(lm, adapter, lengths):
+    """Positions one past the mask's at every step (a loop counting from 1, as ``mask.cumsum(-1)`` does): consistent,
+    so on a rotary family, where only differences matter, vanilla decodes the reference's tokens.  neofix reads the
+    prompt's positions, which are neither scheme's (the caller's own), and leaves every step's as given: vanilla's
+    tokens, nothing said.  (It "repaired" them to the mask's before: wrong tokens.)"""
+    if not adapter.positions.rotary or not _takes_positions(lm):
+        pytest.skip(f"{type(lm).__name__}: positions are {adapter.positions.value} (only differences matter: rotary)")
+    ids, mask = left_padded_batch(lengths)
+    (tokens, messages), (plain, _) = patched_and_vanilla(
+        lambda: run(lambda: decode(lm, ids, mask, STEPS, positions="offset"))
+    )
+    if isinstance(plain, Exception):  # vanilla cannot run them (4.36 - 4.44 index a rotary table as long as the
+        # sequence by them; a float64 mask that overflows): neofix runs them right or not at all
+        assert isinstance(tokens, Exception) or torch.equal(tokens, reference(lm, ids, mask)), tokens
+        return
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, plain)
+    assert torch.equal(tokens, reference(lm, ids, mask))
+    assert messages == []
+
+
+@requires("generate returns its cache")
+def test_a_hand_loop_continues_generates_cache_by_the_masks_positions(lm):
+    """``generate`` gives a left-padded prompt the mask's positions; a hand loop continuing from the cache it returns,
+    given no positions, continues the mask's: the full-recompute reference's tokens on every family (vanilla's are
+    wrong on the rotary ones, whose own positions count the pads).  On 4.42 - 4.48 generate returns its cache as a
+    legacy tuple of the cache object's own tensors: the cache is followed by its first key."""
+    ids, mask = left_padded_batch([6, 3, 5])
+    first = 3
+
+    def loop():
+        out = lm.generate(
+            ids, attention_mask=mask, max_new_tokens=first, min_new_tokens=first, do_sample=False, pad_token_id=0,
+            return_dict_in_generate=True, use_cache=True,
+        )
+        cache, new, full = out.past_key_values, out.sequences[:, -1:], torch.cat([mask, torch.ones(3, first)], -1)
+        generated = []
+        for _ in range(STEPS):
+            step = lm(input_ids=new, attention_mask=full.long(), use_cache=True, **{cache_keyword(lm): cache})
+            cache, new = output_cache(step), step.logits[:, -1:].argmax(-1)
+            generated.append(new)
+            full = torch.cat([full, torch.ones(3, 1)], -1)
+        return out.sequences, torch.cat(generated, -1)
+
+    (outcome, messages), (plain, _) = patched_and_vanilla(lambda: run(loop))
+    if isinstance(outcome, Exception):  # where vanilla cannot run the model at all (4.42's GPT-NeoX: a float64 mask
+        assert repr(outcome) == repr(plain)  # that overflows), neofix fails alike
+        return
+    sequences, tokens = outcome
+    full = torch.cat([mask, torch.ones(3, first, dtype=mask.dtype)], -1)
+    assert torch.equal(tokens, reference_greedy(lm, sequences, full, STEPS)[:, sequences.shape[1]:])
+    assert [said for said in messages if "a legacy tuple cache was passed" not in said] == []  # (4.48's generate
+    # returns a legacy tuple, which the releases that reject one get wrapped, said once)
+
+
 def test_stale_mask_is_extended(lm):
     ids, mask = left_padded_batch([6, 3, 5])
     tokens, messages = run(lambda: decode(lm, ids, mask, STEPS, mask_mode="stale", positions="correct"))

@@ -28,8 +28,8 @@ class Question(NamedTuple):
     them with the mask's; ``range_of_positions``: read their smallest and largest value (a family with a position
     table); ``mask``: the aligned 2D mask or ``None``; ``past``: cached tokens (``None``: not known; 0 without a
     cache); ``slots``: the new tokens' slots where ``past`` is not known (see :func:`new_columns`); ``scheme``: without
-    a cache, tell whether the given positions are the mask's (a rotary prompt: the positions its cache is built with,
-    :func:`~._values.built_by`)."""
+    a cache, tell whether the given positions are the mask's, and whether they are the columns (a rotary prompt: the
+    positions its cache is built with, :func:`~._values.built_by`)."""
 
     input_ids: Any
     token_types: Any
@@ -49,9 +49,10 @@ class Facts(NamedTuple):
     ``left``: some row has a pad followed by a real token (left padding, or a gap); ``right_padded``: the rows with a
     real token followed by a pad that end in a pad;
     ``wrong``: after a cache, some real new token's given position differs from the mask's (no mask: from the
-    positions after the cache), or, without a cache where ``scheme`` asks and some row has a pad before a real token,
-    some real token's; ``counts_pads``: without a cache, the rows whose given positions count their left
-    padding (``arange`` over the padded width).
+    positions after the cache), or, without a cache where ``scheme`` asks, some real token's; ``counts_pads``: without
+    a cache, the rows whose given positions count their left padding (``arange`` over the padded width);
+    ``columns``: without a cache where ``scheme`` asks, every real token's given position is its column (``False``
+    where not asked).
     """
 
     ids: tuple[int, int] | None
@@ -62,6 +63,7 @@ class Facts(NamedTuple):
     right_padded: tuple[int, ...]
     wrong: bool
     counts_pads: tuple[int, ...]
+    columns: bool = False
 
 
 Reader = Callable[[Question], Facts]
@@ -94,22 +96,27 @@ def read_on_host(question: Question) -> Facts:
     else:
         rows = mask.tolist()
         binary, left, right, leading = _scan(rows)
-    wrong, counts_pads = False, ()
-    # (without a cache only a row with a pad before a real token can count its pads, or tell the schemes apart)
-    if (compare or scheme) and binary and (past != 0 or left):
+    wrong, counts_pads, columns = False, (), False
+    # (without a cache only a row with a pad before a real token can count its pads)
+    if (compare and binary and (past != 0 or left)) or (scheme and binary):
         given = positions.tolist()
         given = [given] if not given or type(given[0]) is not list else given
         if len(given) == 1:
             given *= len(rows) if rows is not None else len(input_ids if input_ids is not None else given)
         if scheme:
-            wrong = any(map(_wrong, rows, leading, given, repeat(new)))  # type: ignore[arg-type]
+            every = _numbers(0, new)
+            if rows is None:  # every token real: the mask's positions are the columns
+                wrong = any(own != every for own in given)
+            else:
+                wrong = any(map(_wrong, rows, leading, given, repeat(new)))  # type: ignore[arg-type]
+            columns = not wrong if not left else all(map(_at_columns, rows, given, repeat(every)))  # type: ignore[arg-type]
         elif past == 0:
             counts_pads = tuple(row for row, own in enumerate(given) if rows is not None and _counts_pads(rows[row], own))
         elif rows is None:  # every token real: the new tokens continue after the cache
             wrong = past is not None and any(own != _numbers(past, past + new) for own in given)
         else:
             wrong = any(map(_wrong, rows, leading, given, repeat(new)))  # type: ignore[arg-type]
-    return _new(Facts, (None, None, None, binary, left, right, wrong, counts_pads))
+    return _new(Facts, (None, None, None, binary, left, right, wrong, counts_pads, columns))
 
 
 def _scan(rows: list[list[Any]]) -> tuple[bool, bool, tuple[int, ...], list[int | None]]:
@@ -169,6 +176,11 @@ def _numbers(start: int, stop: int) -> list[int]:
     return _NUMBERS[start:stop]
 
 
+def _at_columns(row: list[int], own: list[int], every: list[int]) -> bool:
+    """Whether a row's real tokens are at their columns (``every``: the row's column numbers)."""
+    return list(compress(own, row)) == list(compress(every, row))
+
+
 def _counts_pads(row: list[int], own: list[int]) -> bool:
     """Whether a row with left padding has its real tokens at positions that count the pads (column numbers)."""
     if not row or row[0] or 1 not in row:
@@ -195,7 +207,7 @@ def read_on_device(question: Question) -> Facts:
     ids = add(*torch.aminmax(input_ids)) if input_ids is not None else None
     types = add(*torch.aminmax(token_types)) if token_types is not None else None
     ranged = add(*torch.aminmax(positions)) if positions is not None and range_of_positions else None
-    binary = steps = last = wrong = counts = None
+    binary = steps = last = wrong = counts = columns = None
     if mask is not None:
         binary = add(((mask != 0) & (mask != 1)).any())
         if mask.shape[-1] > 1:  # per row: +1 where a pad is followed by a real token, -1 the other way
@@ -206,6 +218,8 @@ def read_on_device(question: Question) -> Facts:
         if truth is not None:
             derived, real = truth
             wrong = add((real & (positions != derived)).any())
+            if scheme:
+                columns = add((real & (positions != torch.arange(new, device=positions.device))).any())
     elif compare and mask is not None:
         counts = add(counts_padding(positions, mask))
     values = torch.cat(parts).tolist() if parts else []  # the one read
@@ -225,6 +239,7 @@ def read_on_device(question: Question) -> Facts:
         tuple(row for row, (low, end) in enumerate(zip(lows, ends)) if low < 0 and not end),
         wrong is not None and bool(values[wrong][0]),
         tuple(row for row, flag in enumerate(values[counts]) if flag) if counts is not None else (),
+        columns is not None and not values[columns][0],
     )
 
 

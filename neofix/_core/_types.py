@@ -50,7 +50,8 @@ class Positions(enum.Enum):
       ``CacheView.built``), and after a cache repaired where they are not (positions that do not advance, see
       :func:`~neofix._core._values.rotary_truth`); stale ones cannot be told apart from either scheme:
       an error.  After a cache built with the mask's positions, missing ones are derived from the mask (transformers'
-      own, the columns, would not continue it).
+      own, the columns, would not continue it); after one built with positions of neither scheme (an offset, say), the
+      steps' positions are left as given, as vanilla does.
     * ``NONE`` (BLOOM, ALiBi): the model takes no positions; they are left alone.
     """
 
@@ -91,9 +92,10 @@ class CacheView(NamedTuple):
     head_dim: int | None
     layout: str
     #: The positions its tokens were given, where its caller saw a rotary family's prompt build it: ``BY_COLUMNS``,
-    #: transformers' own, each its column (left padding counted: the prompt was given no ``position_ids``);
-    #: ``BY_MASK``, the mask's (the prompt was given them, and a left-padded row tells them from the columns); ``None``:
-    #: not known.
+    #: transformers' own, each its column (left padding counted: the prompt was given none, or those); ``BY_MASK``, the
+    #: mask's (the prompt was given them, and a row with a pad before a real token tells them from the columns);
+    #: ``BY_GIVEN``, neither (an offset, say: the caller's own, which only the caller can continue); ``None``: not
+    #: known (no prompt seen, or one whose positions agree with both schemes).
     built: str | None = None
 
 
@@ -151,8 +153,8 @@ class Policy(NamedTuple):
 #: What a repaired position after a cache is taken from (a :class:`Report`'s ``truth``): the attention mask; the mask
 #: shifted by the row's leading pads, where the cache holds transformers' own positions (a rotary prompt given none,
 #: its real tokens at their columns); or, with no mask, the count of tokens.  The first two also name the positions a
-#: rotary cache was built with (:attr:`CacheView.built`).
-BY_MASK, BY_COLUMNS, BY_COUNT = "mask", "columns", "count"
+#: rotary cache was built with (:attr:`CacheView.built`), beside a third: positions of neither scheme, the caller's own.
+BY_MASK, BY_COLUMNS, BY_COUNT, BY_GIVEN = "mask", "columns", "count", "given"
 
 
 class Report(NamedTuple):
@@ -187,7 +189,7 @@ class Aligned(NamedTuple):
     repairs: tuple[Repair, ...]
     report: Report | None = None
     right_padded: tuple[int, ...] = ()
-    #: A rotary prompt's positions, where its values told them: ``BY_MASK`` (see :attr:`CacheView.built`), else None.
+    #: A rotary prompt's given positions, where its values told them (see :attr:`CacheView.built`), else None.
     built: str | None = None
 
     @property

@@ -24,6 +24,7 @@ from ._reads import Facts, Question, new_columns, step_truth
 from ._types import (
     BY_COLUMNS,
     BY_COUNT,
+    BY_GIVEN,
     BY_MASK,
     CACHE_POSITION_VALUES,
     POSITION_VALUES,
@@ -118,15 +119,15 @@ def value_plan(
     derived from it (``kind`` derives none itself, or the cache was ``built`` with the mask's), whether the step reads
     its values (every step but a single-token decode step, unless ``check_values`` asks, or strict mode must judge
     given positions at once), whether given rotary positions after a cache are judged by :func:`rotary_truth` (not
-    generate's own), and whether a rotary prompt's given positions are read for the scheme its cache is built with
+    generate's own, nor after a cache ``built`` with positions of neither scheme: the caller's own), and whether a rotary prompt's given positions are read for the scheme its cache is built with
     (:func:`built_by`)."""
     compare = given and kind.compared and not model_mask and (not trusted or past == 0)
     derive = not given and mask_2d and (kind.derived or built == BY_MASK)
     decode = new == 1 and past != 0
     rotary = scheme = False
     if given and kind.rotary and not model_mask:
-        rotary = bool(past) and not trusted
-        scheme = past == 0 and mask_2d
+        rotary = bool(past) and not trusted and built != BY_GIVEN
+        scheme = past == 0
     return compare, derive, not decode or check_values or (compare and strict), rotary, scheme
 
 
@@ -168,9 +169,15 @@ def rows_to_mark(facts: Facts, past: int | None) -> tuple[int, ...]:
 
 def built_by(facts: Facts, scheme: bool) -> str | None:
     """The positions a rotary prompt's cache is built with, where its values tell (``scheme``: the prompt's given
-    positions were read): ``BY_MASK`` where a row has a pad before a real token (there the mask's and the columns
-    differ) and every real token is at the mask's position; else ``None`` (not known: either scheme continues it)."""
-    return BY_MASK if scheme and facts.left and not facts.wrong else None
+    positions were read): ``BY_MASK`` where every real token is at the mask's position and a row has a pad before a
+    real token (there the mask's and the columns differ); ``BY_COLUMNS`` where every one is at its column and the mask's
+    differ; ``BY_GIVEN`` where they are neither (an offset, say: the caller's own scheme); else ``None`` (the two
+    schemes agree on every real token: either continues the cache)."""
+    if not scheme:
+        return None
+    if not facts.wrong:
+        return BY_MASK if facts.left else None
+    return BY_COLUMNS if facts.columns else BY_GIVEN
 
 
 def _empty(tensor: Any) -> bool:

@@ -301,6 +301,27 @@ def test_a_rotary_prompts_cache_leaves_no_bookkeeping_behind_once_dropped(given)
     assert len(_wrappers._BUILT) == before
 
 
+def test_a_rotary_cache_used_again_by_a_prompt_that_tells_nothing_forgets_its_mark():
+    """A rotary cache is marked with the positions its prompt was given (none: transformers' own); reset and used again
+    by a prompt whose positions agree with both schemes (no pad), it is marked with nothing, so the steps after it are
+    judged as after any cache, not by the first prompt's positions."""
+    from neofix.testing import tiny_model
+
+    lm = tiny_model("gptj", seed=0, dtype=torch.float32)
+    ids, mask = torch.tensor([[5, 6, 7, 8], [0, 0, 3, 4]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    with torch.no_grad():
+        cache = output_cache(lm(input_ids=ids, attention_mask=mask, use_cache=True))
+        assert _wrappers._built(cache) == "columns"
+        if not hasattr(cache, "reset"):
+            pytest.skip(f"transformers {transformers.__version__}: the cache has no reset() (a tuple, or before 4.56)")
+        cache.reset()
+        if cache.get_seq_length():
+            pytest.skip(f"transformers {transformers.__version__}: reset() keeps the keys: the cache cannot start over")
+        unpadded = torch.ones_like(mask)
+        lm(input_ids=ids, attention_mask=unpadded, position_ids=torch.arange(4)[None], past_key_values=cache)
+    assert _wrappers._built(cache) is None
+
+
 # -- legacy tuple caches -----------------------------------------------------------------------------------------------
 
 

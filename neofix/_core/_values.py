@@ -262,7 +262,7 @@ def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, buil
         given = given * len(rows)
     as_columns, as_mask = built != BY_MASK, True
     for row, values in zip(rows, given):
-        before = sum(row[:-new]) if len(row) > new else 0
+        before = sum(row[:-new])  # (the cached tokens' real ones)
         if built == BY_COLUMNS and 1 in row:
             before += row.index(1)  # (the row's leading pads: its prompt's real tokens sit at their columns)
         for value, flag, at in zip(values, row[-new:], column):

@@ -301,6 +301,7 @@ def test_a_rotary_prompts_cache_leaves_no_bookkeeping_behind_once_dropped(given)
     assert len(_wrappers._BUILT) == before
 
 
+@requires("GPT-J rotary positions")
 def test_a_rotary_cache_used_again_by_a_prompt_that_tells_nothing_forgets_its_mark():
     """A rotary cache is marked with the positions its prompt was given (none: transformers' own); reset and used again
     by a prompt whose positions agree with both schemes (no pad), it is marked with nothing, so the steps after it are

@@ -263,7 +263,7 @@ def _call(
     (single-token decode steps read nothing; on the CPU the lookup is the check) surfaces as the embedding's
     ``IndexError``: name the value instead.  A prefill that ended ``right_padded`` rows in padding marks the cache it
     returns, so that decoding from it says so; a rotary family's prompt marks the positions its cache is built with,
-    transformers' own (given none) or the mask's (``built``, where align read them: :func:`_mark_built`)."""
+    transformers' own (given none) or what its given ones were read to be (``built``: :func:`_mark_built`)."""
     try:
         output = original(model, **call)
     except IndexError as exc:

@@ -305,19 +305,19 @@ def model_limits(model: Any, adapter: Adapter, afresh: bool = False) -> Limits:
     compiled call would be a guard that fails on the next: one more compilation).
     """
     config = model.config
-    remembered = _LIMITS.get(id(config))
+    remembered = _LIMITS.get(id(config))  # (_remembered, inlined: every step asks)
     if not afresh and remembered is not None and remembered[0]() is config:
         return remembered[1]
     limits = adapter.limits(config)
-    key = id(config)
-    _LIMITS[key] = (weakref.ref(config, lambda _, key=key: _LIMITS.pop(key, None)), limits)
+    _remember(_LIMITS, config, limits)
     return limits
 
 
 # -- positions transformers' generate built (trusted: compared with nothing on decode steps) ------------------------
 
-# id(tensor) -> weak reference to it: the position_ids prepare_inputs_for_generation returned
-_TRUSTED: dict[int, Any] = {}
+# id(tensor) -> (weak reference to it, True): the position_ids prepare_inputs_for_generation returned (the registries
+# of this module share _remember and _remembered)
+_TRUSTED: dict[int, tuple[Any, Any]] = {}
 
 
 def _trust(positions: Any) -> None:
@@ -325,15 +325,21 @@ def _trust(positions: Any) -> None:
         _remember(_TRUSTED, positions)
 
 
-def _remember(registry: dict[int, Any], obj: Any) -> None:
-    """Add ``obj`` to an identity registry (``id`` -> weak reference: its entry goes with it)."""
+def _remember(registry: dict[int, tuple[Any, Any]], obj: Any, value: Any = True) -> None:
+    """Remember ``value`` for ``obj`` in an identity registry (``id`` -> (weak reference, value): its entry goes
+    with it).  An object that cannot be weakly referenced is not followed."""
     key = id(obj)
-    registry[key] = weakref.ref(obj, lambda _, key=key: registry.pop(key, None))
+    try:
+        reference = weakref.ref(obj, lambda _, key=key: registry.pop(key, None))
+    except TypeError:
+        return
+    registry[key] = (reference, value)
 
 
-def _remembered(registry: dict[int, Any], obj: Any) -> bool:
-    reference = registry.get(id(obj))
-    return reference is not None and reference() is obj
+def _remembered(registry: dict[int, tuple[Any, Any]], obj: Any) -> Any:
+    """The value remembered for ``obj`` (the object itself, not one that reused its ``id``), else ``None``."""
+    entry = registry.get(id(obj))
+    return entry[1] if entry is not None and entry[0]() is obj else None
 
 
 # -- right padding at the start of decoding ---------------------------------------------------------------------------
@@ -360,13 +366,8 @@ def _output_cache(output: Any) -> Any:
 def _mark_right_padded(output: Any, rows: tuple[int, ...]) -> None:
     """Remember that the cache this prefill returned holds right-padded rows: if it is decoded from, say so then."""
     key = _cache_key(_output_cache(output))
-    if key is None:
-        return
-    try:
-        reference = weakref.ref(key, lambda _, k=id(key): _RIGHT_PADDED.pop(k, None))
-    except TypeError:  # not weakly referenceable: not followed
-        return
-    _RIGHT_PADDED[id(key)] = (reference, rows)
+    if key is not None:
+        _remember(_RIGHT_PADDED, key, rows)
 
 
 # -- which positions a rotary family's cache holds ---------------------------------------------------------------------
@@ -379,9 +380,7 @@ _BUILT: dict[int, tuple[Any, str]] = {}
 
 def _built(cache: Any) -> str | None:
     """The positions ``cache`` was built with, where its prompt told (:attr:`~neofix._core.CacheView.built`)."""
-    key = _cache_key(cache)
-    entry = _BUILT.get(id(key))
-    return entry[1] if entry is not None and entry[0]() is key else None
+    return _remembered(_BUILT, _cache_key(cache))
 
 
 def _mark_built(output: Any, built: str | None) -> None:
@@ -397,23 +396,17 @@ def _mark_built(output: Any, built: str | None) -> None:
         return
     keys = getattr(cache, "key_cache", None)
     for each in (key, keys[0]) if type(keys) is list and keys else (key,):
-        entry = _BUILT.get(id(each))
         if built is None:
             _BUILT.pop(id(each), None)  # (a cache used again from its start, its prompt given other positions)
-        elif entry is None or entry[0]() is not each or entry[1] != built:
-            try:
-                reference = weakref.ref(each, lambda _, k=id(each): _BUILT.pop(k, None))
-            except TypeError:  # not weakly referenceable: not followed
-                continue
-            _BUILT[id(each)] = (reference, built)
+        elif _remembered(_BUILT, each) != built:
+            _remember(_BUILT, each, built)
 
 
 def _check_right_padding(kwargs: dict) -> None:
     key = _cache_key(_caches.of_call(kwargs)[1])
-    entry = _RIGHT_PADDED.get(id(key)) if key is not None else None
-    if entry is None or entry[0]() is not key:
+    rows = _remembered(_RIGHT_PADDED, key)
+    if rows is None:
         return
-    rows = entry[1]
     named = f"row {rows[0]}" if len(rows) == 1 else f"rows {', '.join(map(str, rows))}"
     described = (
         f"decoding continues from a cache whose prompt had right padding in {named}: the prompt's last column "

@@ -190,6 +190,25 @@ def _sink_caches() -> bool:
     return True
 
 
+FEATURES.update(
+    {
+        "contrastive search": (
+            (0, 0),
+            "generate(penalty_alpha=..., top_k=...) runs in transformers up to 4.55 (4.56 moved it to a Hub repository, "
+            "which needs trust_remote_code and a download)",
+        ),
+        "DoLa decoding": (
+            (4, 43),
+            "generate(dola_layers=...) runs in transformers 4.43 - 4.55 (4.56 moved it to a Hub repository)",
+        ),
+        "group and constrained beam search": (
+            (0, 0),
+            "generate(num_beam_groups=...) and generate(force_words_ids=...) run in transformers up to 4.56 (4.57 moved "
+            "them to Hub repositories)",
+        ),
+    }
+)
+
 FEATURES["static caches"] = (
     (0, 0),
     "generate(cache_implementation='static') works for GPT-Neo from transformers 4.54 (before, it is refused)",
@@ -206,5 +225,8 @@ PROBES = {
     "onnx": lambda: _importable("onnx"),
     "onnxscript": lambda: _importable("onnx", "onnxscript"),
     "onnxruntime": lambda: _importable("onnxruntime"),
+    "contrastive search": lambda: TF_RELEASE < (4, 56),
+    "DoLa decoding": lambda: (4, 43) <= TF_RELEASE < (4, 56),
+    "group and constrained beam search": lambda: TF_RELEASE < (4, 57),
 }
 

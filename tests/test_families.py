@@ -501,6 +501,31 @@ def test_generate_is_identical_to_vanilla(lm32, kwargs):
             assert got[:ended] == expected[:ended]
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param(dict(penalty_alpha=0.6, top_k=4), marks=requires("contrastive search"), id="contrastive"),
+        pytest.param(dict(dola_layers="high", repetition_penalty=1.2), marks=requires("DoLa decoding"), id="dola"),
+        pytest.param(
+            dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0),
+            marks=requires("group and constrained beam search"),
+            id="group-beam",
+        ),
+        pytest.param(
+            dict(num_beams=4, force_words_ids=[[5, 7]]),
+            marks=requires("group and constrained beam search"),
+            id="constrained-beam",
+        ),
+    ],
+)
+def test_other_decoding_strategies_are_identical_to_vanilla(lm32, kwargs):
+    """The strategies that expand, select and crop the cache their own way (top-k candidates, beam groups, forced
+    words) or read every layer's hidden states (DoLa), on the releases that still run them in transformers itself."""
+    ids, mask = left_padded_batch([6, 3, 5], seed=3)
+    patched, plain = both(lm32, lambda model: generate(model, ids, mask, do_sample=False, **kwargs))
+    assert torch.equal(patched, plain)
+
+
 #: Vanilla's own failure on transformers 5.0: candidate decoding crops the cache after a rejected guess, and a
 #: ``DynamicSlidingWindowLayer`` that has seen a whole window refuses to be cropped (Mistral, Gemma 2, Gemma 3 here,
 #: whose tiny window is 4).  neofix must leave that failure exactly as it is.

@@ -138,6 +138,45 @@ def test_prompt_lookup(model):
     assert torch.equal(patched, reference_greedy(model, ids, mask, patched.shape[1] - ids.shape[1]))
 
 
+@requires("group and constrained beam search")
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0), dict(num_beams=4, force_words_ids=[[5, 7]])],
+    ids=["group", "constrained"],
+)
+def test_group_and_constrained_beam_search(batch, kwargs):
+    """float32: group beam search up to 4.3x cannot score a float64 model (vanilla neither)."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32)
+    ids, mask = batch
+    patched, plain = both(lambda: generate(model, ids, mask, do_sample=False, **kwargs))
+    assert torch.equal(patched, plain)
+    assert torch.equal(patched, without_cache(model, ids, mask, do_sample=False, **kwargs))
+
+
+@requires("DoLa decoding")
+def test_dola_decoding(model, batch):
+    ids, mask = batch
+    kwargs = dict(dola_layers="high", repetition_penalty=1.2, do_sample=False)
+    patched, plain = both(lambda: generate(model, ids, mask, **kwargs))
+    assert torch.equal(patched, plain)
+    assert torch.equal(patched, without_cache(model, ids, mask, **kwargs))
+
+
+@requires("contrastive search")
+def test_contrastive_search(model, batch):
+    """Contrastive search needs a cache (transformers refuses ``use_cache=False``): the reference is each row's prompt
+    alone, unpadded, which a left-padded row must decode exactly as."""
+    ids, mask = batch
+    kwargs = dict(penalty_alpha=0.6, top_k=4)
+    patched, plain = both(lambda: generate(model, ids, mask, **kwargs))
+    assert torch.equal(patched, plain)
+    for row, length in enumerate(mask.sum(dim=1).tolist()):
+        alone = ids[row : row + 1, ids.shape[1] - length :]
+        with neofix.unpatched():
+            expected = generate(model, alone, torch.ones_like(alone), **kwargs)
+        assert patched[row, ids.shape[1] :].tolist() == expected[0, length:].tolist(), row
+
+
 def _prefix_cache(model, ids, mask):
     """The cache of a well-formed prefix forward (explicit positions, so vanilla builds it right too)."""
     with torch.no_grad():

@@ -201,6 +201,7 @@ FEATURES.update(
             (4, 43),
             "generate(dola_layers=...) runs in transformers 4.43 - 4.55 (4.56 moved it to a Hub repository)",
         ),
+        "StaticCache": ((4, 38), "transformers.StaticCache arrived in transformers 4.38"),
         "group and constrained beam search": (
             (0, 0),
             "generate(num_beam_groups=...) and generate(force_words_ids=...) run in transformers up to 4.56 (4.57 moved "
@@ -225,6 +226,7 @@ PROBES = {
     "onnx": lambda: _importable("onnx"),
     "onnxscript": lambda: _importable("onnx", "onnxscript"),
     "onnxruntime": lambda: _importable("onnxruntime"),
+    "StaticCache": lambda: hasattr(transformers, "StaticCache"),
     "contrastive search": lambda: TF_RELEASE < (4, 56),
     "DoLa decoding": lambda: (4, 43) <= TF_RELEASE < (4, 56),
     "group and constrained beam search": lambda: TF_RELEASE < (4, 57),

@@ -28,7 +28,7 @@ import neofix
 from neofix._families import FAMILIES
 from neofix.testing import FAMILY_CONFIGS, _takes_positions, reference_greedy, tiny_config, tiny_model
 
-from ._sync import HostReads
+from ._sync import HostReads, simulated_accelerator
 from ._versions import TF_RELEASE, cache_keyword, legacy, output_cache, requires
 from .loops import decode, left_padded_batch, patched_and_vanilla
 
@@ -780,6 +780,46 @@ def test_static_cache_generate_is_identical_to_vanilla(family, lengths):
         model, lambda m: run(lambda: generate(m, ids, mask, do_sample=False, cache_implementation="static"))[0]
     )
     assert_same_outcome(patched, plain)
+    with simulated_accelerator():  # where each step's mask is extended to every slot, unread: the CPU's outcome
+        accelerated = run(lambda: generate(model, ids, mask, do_sample=False, cache_implementation="static"))[0]
+    assert_same_outcome(accelerated, patched)
+
+
+@requires("StaticCache")
+@pytest.mark.parametrize("lengths", [[6, 3, 5], [6, 6, 6]], ids=["left-padded", "unpadded"])
+def test_a_static_loop_with_a_stale_mask_on_an_accelerator_gives_the_reference_tokens(family, lengths):
+    """The prompt's mask at every step (the classic bug) of a hand loop over a static cache, ``cache_position`` given,
+    on an accelerator (simulated: values read by the device reader, nothing read back): the cache's length is not
+    known there without a read, so the mask is extended to every slot on the device, and the tokens are the
+    reference's, as on the CPU.  Where the family cannot decode over a static cache on this release (the right mask
+    gives other tokens or an error, patched too: Llama 4.38 - 4.40 sets a cache on every attention layer), and where
+    neofix leaves the mask as given (OPT, which derives a position for each column it is given; sliding-window
+    layers, whose slots are not the tokens' positions), the outcome is vanilla's.  With the mask right, the outcome
+    on the accelerator is the CPU's."""
+    from .test_static_cache import static_cache, static_loop
+
+    model = tiny_model(family, seed=0, dtype=torch.float32)
+    ids, mask = left_padded_batch(lengths)
+    try:
+        cache = static_cache(model, len(lengths))
+    except (AttributeError, TypeError) as exc:  # up to 4.44 StaticCache reads attributes of Llama's config
+        pytest.skip(f"transformers {transformers.__version__} builds no StaticCache for {family}'s config: {exc}")
+    windowed = any("Sliding" in type(layer).__name__ for layer in getattr(cache, "layers", ()))
+
+    def loop(stale):
+        return run(lambda: static_loop(model, model, ids, mask, STEPS, stale_mask=stale, slots=True))[0]
+
+    expected = reference(model, ids, mask)
+    whole = loop(False)  # on the CPU, the mask right
+    with simulated_accelerator():
+        patched, right = loop(True), loop(False)
+    assert_same_outcome(right, whole)  # the mask right: the CPU's outcome
+    with neofix.unpatched():
+        plain = loop(True)
+    if isinstance(whole, Exception) or not torch.equal(whole, expected) or family == "opt" or windowed:
+        assert_same_outcome(patched, plain)
+        return
+    assert torch.equal(patched, expected)
 
 
 # -- the declarations -------------------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ def static_cache(model, batch, slots=SLOTS):
     for name in ("batch_size", "max_batch_size"):  # up to 4.55 the rows and dtype are fixed up front
         if name in parameters:
             kwargs.update({name: batch, "dtype": model.dtype})
+    if "device" in parameters and parameters["device"].default is inspect.Parameter.empty:  # and up to 4.43 the device
+        kwargs["device"] = model.device
     return StaticCache(**kwargs)
 
 
@@ -122,18 +124,37 @@ def test_a_static_loop_past_the_window_gives_the_reference_tokens(model, batch):
 
 
 @needs_static_loop
+@pytest.mark.parametrize("device", ["cpu", "accelerator"])
 @pytest.mark.parametrize("slots", [False, True], ids=["transformers' slots", "cache_position given"])
-def test_a_static_loop_with_a_stale_mask_is_repaired(model, batch, slots):
-    """The prompt's mask at every step (the classic bug) over a static cache: extended as over a dynamic cache, and
-    said.  A static cache's length is a tensor; on the CPU the new tokens' slots (``cache_position``, given or the
-    cache's own count) are read without waiting, and tell it.  (Unpatched, transformers pads the short mask with
-    zeros: the new tokens are masked out.)"""
+def test_a_static_loop_with_a_stale_mask_is_repaired(model, batch, slots, device):
+    """The prompt's mask at every step (the classic bug) over a static cache: extended as over a dynamic cache.  A
+    static cache's length is a tensor; on the CPU the new tokens' slots (``cache_position``, given or the cache's own
+    count) are read without waiting, and tell it: extended to the tokens so far, and said.  On an accelerator that
+    would be a read: the mask is extended to every slot on the device instead, unread and unsaid (the empty slots'
+    columns are hidden by the causal mask).  (Unpatched, transformers pads the short mask with zeros: the new tokens
+    are masked out.)"""
     ids, mask = batch
-    with warnings.catch_warnings(record=True) as caught:
+    context = simulated_accelerator() if device == "accelerator" else contextlib.nullcontext()
+    with context, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", neofix.NeofixWarning)
         got = static_loop(model, model, ids, mask, stale_mask=True, slots=slots)
     assert torch.equal(got, reference(model, ids, mask))
-    assert any("extended it with ones on the right" in str(w.message) for w in caught)
+    said = any("extended it with ones on the right" in str(w.message) for w in caught)
+    assert said == (device == "cpu")
+    with neofix.unpatched():
+        assert not torch.equal(static_loop(model, model, ids, mask, stale_mask=True, slots=slots), got)
+
+
+@needs_static_loop
+@pytest.mark.parametrize("device", ["cpu", "accelerator"])
+def test_strict_mode_refuses_a_static_loops_stale_mask(model, batch, strict, device):
+    """Strict mode repairs nothing: the stale mask of a static loop is a ``MaskLengthError`` naming the lengths, on an
+    accelerator too (strict mode reads the new tokens' slots there, as it may synchronise)."""
+    ids, mask = batch
+    context = simulated_accelerator() if device == "accelerator" else contextlib.nullcontext()
+    with context, pytest.raises(neofix.MaskLengthError, match="attention_mask has 6 columns, but the cache holds 6 "
+                                "tokens and this step feeds 1: expected 7"):
+        static_loop(model, model, ids, mask, stale_mask=True, slots=True)
 
 
 @needs_static_loop
@@ -238,17 +259,21 @@ def test_within_the_window_a_static_loop_is_vanillas_bit_for_bit():
 
 
 @requires("static caches")
+@pytest.mark.parametrize("device", ["cpu", "accelerator"])
 @pytest.mark.parametrize("beams", [1, 3])
-def test_generate_with_a_static_cache_equals_the_dynamic_cache(model, batch, beams):
+def test_generate_with_a_static_cache_equals_the_dynamic_cache(model, batch, beams, device):
     """``generate(cache_implementation="static")``, greedy and beam search, past the window: the dynamic cache's
-    tokens (greedy: the reference's too); vanilla's greedy goes wrong."""
+    tokens (greedy: the reference's too); vanilla's greedy goes wrong.  On an accelerator too, where each step's mask
+    (the tokens so far) is extended to every slot unread."""
     ids, mask = batch
     kwargs = dict(attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=0,
                   num_beams=beams)
+    context = simulated_accelerator() if device == "accelerator" else contextlib.nullcontext()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dynamic = model.generate(ids, **kwargs)
-        static = tiny_gpt_neo(seed=0, dtype=DTYPE).generate(ids, cache_implementation="static", **kwargs)
+        with context:
+            static = tiny_gpt_neo(seed=0, dtype=DTYPE).generate(ids, cache_implementation="static", **kwargs)
     assert torch.equal(static, dynamic)
     if beams == 1:
         assert torch.equal(static[:, ids.shape[1]:], reference(model, ids, mask))
@@ -304,7 +329,7 @@ def test_an_attention_neofix_does_not_repair_is_refused_up_front(model, batch, m
 # -- compiled -------------------------------------------------------------------------------------------------------
 
 
-def compiled_static_loop(model, ids, mask, steps, wide=None, **options):
+def compiled_static_loop(model, ids, mask, steps, wide=None, stale_mask=False, **options):
     """The static loop through ``torch.compile(model.forward, fullgraph=True, ...)``: (new tokens, frames compiled
     after the first three steps, frames compiled in all).  fullgraph: any graph break is an error."""
     from torch._dynamo.utils import counters
@@ -312,10 +337,10 @@ def compiled_static_loop(model, ids, mask, steps, wide=None, **options):
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model.forward, fullgraph=True, **options)
-    warmup = static_loop(compiled, model, ids, mask, 3, slots=True, wide=wide)
+    warmup = static_loop(compiled, model, ids, mask, 3, slots=True, wide=wide, stale_mask=stale_mask)
     settled = counters["stats"]["unique_graphs"]
     cache = static_cache(model, ids.shape[0])
-    tokens = static_loop(compiled, model, ids, mask, steps, cache=cache, slots=True, wide=wide)
+    tokens = static_loop(compiled, model, ids, mask, steps, cache=cache, slots=True, wide=wide, stale_mask=stale_mask)
     del warmup
     return tokens, settled, counters["stats"]["unique_graphs"], dict(counters["graph_break"])
 
@@ -344,6 +369,23 @@ def test_a_compiled_static_loop_whose_mask_is_as_wide_as_the_slots_gives_the_ref
     tokens, _, _, breaks = compiled_static_loop(model, ids, mask, STEPS, wide="slots", backend="eager")
     assert breaks == {}
     assert torch.equal(tokens, reference(model, ids, mask))
+    torch._dynamo.reset()
+
+
+@needs_static_loop
+def test_a_compiled_static_loop_with_a_stale_mask_gives_the_reference_tokens(batch):
+    """The same loop passing the prompt's mask at every step (the classic bug): inside the graph the mask is extended
+    to every slot (the cache's length is not known there without a read), so the reference tokens, no graph break,
+    and one graph for every decode step (the mask's width does not change).  Vanilla's tokens are wrong."""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32, num_layers=2)
+    ids, mask = batch
+    tokens, settled, total, breaks = compiled_static_loop(model, ids, mask, STEPS, stale_mask=True, backend="eager")
+    assert breaks == {}
+    assert torch.equal(tokens, reference(model, ids, mask))
+    assert total == settled
+    with neofix.unpatched():
+        plain = compiled_static_loop(model, ids, mask, STEPS, stale_mask=True, backend="eager")[0]
+    assert not torch.equal(plain, tokens)
     torch._dynamo.reset()
 
 

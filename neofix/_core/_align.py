@@ -86,11 +86,11 @@ def align(
     if shape is None:
         return None
     batch, new = shape
-    cache = length_from_slots(cache, step.cache_position, new, policy.compiling)
+    cache = length_from_slots(cache, step.cache_position, new, policy.compiling, policy.strict)
     total, past_the_table = check_cache(cache, batch, new, limits)
     strict = policy.strict
     repairs: list[Repair] = []
-    passed, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs)
+    passed, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs, policy.positions)
     mask = passed
     if mask_2d and total is not None and mask.shape[-1] > total:  # a static cache's slots (_read_by_slot): its
         mask = mask[:, :total]  # first columns are the tokens so far (the slots past them are empty)
@@ -231,14 +231,15 @@ def ids_problem(shape: Any, dtype: Any) -> NeofixError | None:
 # -- 2. the cache ----------------------------------------------------------------------------------------------------
 
 
-def length_from_slots(cache: CacheView, slots: Any, new: int, compiling: bool) -> CacheView:
+def length_from_slots(cache: CacheView, slots: Any, new: int, compiling: bool, strict: bool = False) -> CacheView:
     """A static cache's length (a tensor: not known from shapes) where the new tokens' slots (``cache_position``,
-    given or transformers' own) tell it without waiting: their last + 1 - ``new``, read on the host (CPU memory, an
-    eager call).  The step is then checked as one after a cache of that many tokens.  Elsewhere it stays unknown,
-    and positions are taken at the slots on the device (:func:`~._reads.new_columns`)."""
+    given or transformers' own) tell it: their last + 1 - ``new``, read in an eager call on the host (CPU memory,
+    nothing to wait for), or anywhere in ``strict`` mode (which may synchronise: it raises where a repair would be
+    made).  The step is then checked as one after a cache of that many tokens.  Elsewhere it stays unknown, and
+    positions are taken at the slots on the device (:func:`~._reads.new_columns`)."""
     if cache.length is not None or cache.layout != "static" or slots is None or compiling or slots.dim() != 1:
         return cache
-    if slots.shape[0] != new or not on_host(slots, None):
+    if slots.shape[0] != new or not (strict or on_host(slots, None)):
         return cache
     past = int(slots[-1]) + 1 - new
     return cache._replace(length=past) if past >= 0 else cache
@@ -303,9 +304,17 @@ def cache_length_error(layer: Any, held: int, expected: int) -> CacheLengthError
 
 
 def align_mask(
-    mask: Any, batch: int, new: int, cache: CacheView, total: int | None, strict: bool, repairs: list[Repair]
+    mask: Any,
+    batch: int,
+    new: int,
+    cache: CacheView,
+    total: int | None,
+    strict: bool,
+    repairs: list[Repair],
+    kind: Positions = Positions.ABSOLUTE,
 ) -> tuple[Any, bool]:
-    """The mask to use (a 2D mask extended where it was not), and whether it is a 2D padding mask.
+    """The mask to use (a 2D mask extended where it was not), and whether it is a 2D padding mask (``kind``: what
+    positions mean to the family, see :func:`_extended_to_the_slots`).
 
     A 3D or 4D mask is the model's own attention mask (transformers builds one for static caches): one row per new
     token, and one column per cached plus new token, or per slot of a static cache.
@@ -321,6 +330,8 @@ def align_mask(
             _raise_past_capacity(mask.shape[1], cache.capacity)
         if total is not None and total < mask.shape[1] and _read_by_slot(mask.shape[1], cache):
             return mask, True  # read by slot, as transformers reads it, and passed on as given (see align)
+        if total is None and _extended_to_the_slots(mask.shape[1], new, cache, kind):
+            return torch.cat([mask, mask.new_ones((batch, cache.capacity - mask.shape[1]))], dim=-1), True
         return _align_padding_mask(mask, batch, new, cache.length, total, strict, repairs), True
     if dims in (3, 4):
         _check_model_mask(mask, dims, batch, new, cache, total)
@@ -334,6 +345,21 @@ def _read_by_slot(columns: int, cache: CacheView) -> bool:
     transformers reads by slot, its columns the slots from the first: over a static cache of no more slots than it
     has columns (any width where the slots are each layer's: sliding-window layers, no capacity told)."""
     return cache.layout == "static" and (cache.capacity is None or columns <= cache.capacity)
+
+
+def _extended_to_the_slots(columns: int, new: int, cache: CacheView, kind: Positions) -> bool:
+    """Whether a decode step's 2D mask over a static cache whose length is not known (on an accelerator, or inside
+    ``torch.compile``) is extended with ones to the cache's slots, unread: a mask of the tokens so far, the prompt's
+    not extended since (the classic bug), or one allocated up front.  Every such reading gives the same mask: its
+    columns are slots, the tokens' slots past it are ones (the cached and the new tokens are real), and the empty
+    slots' columns are hidden by the causal mask whatever they hold.  (Strict mode reads the length in an eager call,
+    :func:`length_from_slots`: this is for ``torch.compile`` there, which repairs what it cannot read.)  A mask as
+    wide as the new token alone is left as given (its value is that token's, or the first cached token's: a read
+    would tell), and so is every mask of a family that derives positions from each column it is given
+    (``Positions.MASK``, OPT: it would derive one for every slot)."""
+    if kind is Positions.MASK or cache.layout != "static" or cache.capacity is None:
+        return False
+    return new == 1 and new < columns < cache.capacity
 
 
 def _align_padding_mask(

@@ -301,6 +301,30 @@ def test_an_empty_static_caches_first_step_reads_a_mask_as_wide_as_its_slots_by_
     assert aligned.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1], [0, 0, 1, 2]]  # (a pad keeps its column)
 
 
+@pytest.mark.parametrize("columns", [1, 2, 3, 7, 8])
+@pytest.mark.parametrize("kind", [Positions.ABSOLUTE, Positions.ROTARY, Positions.MASK])
+def test_a_decode_steps_mask_over_a_static_cache_of_unknown_length_is_extended_to_every_slot(columns, kind):
+    """Where a static cache's length is not read (an accelerator, torch.compile), a decode step's 2D mask narrower
+    than the slots is extended with ones to every slot, on the device: a prompt's mask not extended since then covers
+    every token, and a mask of the tokens so far means what it meant (the causal mask hides the empty slots).  Left as
+    given: a mask of one column (the new token's own, or the first cached token's: its value would tell, a read), one
+    as wide as the slots, and every mask of a family that derives positions from each column (OPT)."""
+    from ._sync import simulated_accelerator
+
+    unknown = CacheView(None, 2, None, 8, 2, 8, "static")
+    mask = torch.tensor([[1] * columns, [0] + [1] * (columns - 1)])
+    slots = torch.tensor([5])  # (on the device: not read)
+    with simulated_accelerator():
+        aligned = align(_step(mask=mask, cache_position=slots, batch=2), unknown, LIMITS, Policy(positions=kind))
+    if columns in (1, 8) or kind is Positions.MASK:
+        assert aligned.attention_mask is mask
+        return
+    assert aligned.attention_mask.tolist() == [row + [1] * (8 - columns) for row in mask.tolist()]
+    assert not any(repair.message for repair in aligned.repairs)  # (whether it was short is not known: nothing said)
+    if kind is Positions.ABSOLUTE:  # taken at the slot, from the extended mask: its real tokens before it
+        assert aligned.position_ids.tolist() == [[5], [4]]
+
+
 def test_a_static_caches_length_is_told_by_its_slots_only_where_they_are_read_for_free():
     """The new tokens' slots tell a static cache's length (last slot + 1 - new tokens) when read on the host, eagerly;
     not under torch.compile, not from slots of another count than the step's tokens, nor from slots before 0, and

@@ -357,9 +357,8 @@ def _extended_to_the_slots(columns: int, new: int, cache: CacheView, kind: Posit
     wide as the new token alone is left as given (its value is that token's, or the first cached token's: a read
     would tell), and so is every mask of a family that derives positions from each column it is given
     (``Positions.MASK``, OPT: it would derive one for every slot)."""
-    if kind is Positions.MASK or cache.layout != "static" or cache.capacity is None:
-        return False
-    return new == 1 and new < columns < cache.capacity
+    capacity = cache.capacity  # (a static cache's slots: None for any other, and over sliding-window layers)
+    return capacity is not None and new == 1 and new < columns < capacity and kind is not Positions.MASK
 
 
 def _align_padding_mask(

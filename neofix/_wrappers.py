@@ -60,7 +60,7 @@ from ._errors import (
     counted,
     warn_once,
 )
-from ._families._contract import Adapter
+from ._families._contract import Adapter, attention_of
 from ._reports import StepInfo
 
 #: Marks every function neofix installs (``neofix.trace`` tells a patched model by it).
@@ -107,12 +107,12 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
             return original(self, **call)
         step = _step_inputs(call, view)
         try:
-            kept, aligned = _judge(step, view, limits, call, adapter, eager)
+            kept, aligned = _judge(self, step, view, limits, call, adapter, eager)
         except NeofixError:
             fresh = model_limits(self, adapter, afresh=True) if eager else limits
             if fresh == limits:
                 raise  # refused on the model as it is
-            kept, aligned = _judge(step, view, fresh, call, adapter, eager)  # its config was edited since: again
+            kept, aligned = _judge(self, step, view, fresh, call, adapter, eager)  # its config was edited since: again
         if kept:  # the usual step: nothing to change (see keeps_every_rule)
             return _call(original, self, call, view, adapter, eager)
         if aligned is None:  # neither input_ids nor inputs_embeds: transformers raises its own error
@@ -186,7 +186,7 @@ def _with_slots(step: StepInputs, call: dict) -> StepInputs:
 
 
 def _judge(
-    step: StepInputs, view: CacheView, limits: Limits, call: dict, adapter: Adapter, eager: bool
+    model: Any, step: StepInputs, view: CacheView, limits: Limits, call: dict, adapter: Adapter, eager: bool
 ) -> tuple[bool, Aligned | None]:
     """``(True, None)`` for a step that keeps every rule (nothing to change: see keeps_every_rule), else ``(False,
     align's answer)``, given the values' facts where the first pass read them (a step's values are read once)."""
@@ -199,10 +199,15 @@ def _judge(
         )
         if kept:
             return True, None
-    return False, align(step, view, limits, _policy(call, adapter, eager), facts)
+    return False, align(step, view, limits, _policy(model, call, adapter, eager), facts)
 
 
-def _policy(call: dict, adapter: Adapter, eager: bool) -> Policy:
+#: The attention implementations that pad a 2D mask to the keys they attend to (a static cache's slots), so that a
+#: mask may be widened to them; flash attention keeps as many keys as the mask has columns, and others are not known.
+_PADDING_MASKS = ("eager", "sdpa")
+
+
+def _policy(model: Any, call: dict, adapter: Adapter, eager: bool) -> Policy:
     given = call.get("position_ids")
     return Policy(
         strict=settings.strict,
@@ -212,6 +217,7 @@ def _policy(call: dict, adapter: Adapter, eager: bool) -> Policy:
         compiling=not eager,
         uncached_positions=settings.uncached_positions,
         positions=adapter.positions,
+        pads_masks=attention_of(model.config) in _PADDING_MASKS,
     )
 
 

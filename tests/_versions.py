@@ -202,6 +202,11 @@ FEATURES.update(
             "generate(dola_layers=...) runs in transformers 4.43 - 4.55 (4.56 moved it to a Hub repository)",
         ),
         "StaticCache": ((4, 38), "transformers.StaticCache arrived in transformers 4.38"),
+        "attention interfaces": (
+            (0, 0),
+            "transformers.AttentionInterface and masking_utils.AttentionMaskInterface (registering an attention and "
+            "its mask) arrived in transformers 4.53",
+        ),
         "group and constrained beam search": (
             (0, 0),
             "generate(num_beam_groups=...) and generate(force_words_ids=...) run in transformers up to 4.56 (4.57 moved "
@@ -227,6 +232,7 @@ PROBES = {
     "onnxscript": lambda: _importable("onnx", "onnxscript"),
     "onnxruntime": lambda: _importable("onnxruntime"),
     "StaticCache": lambda: hasattr(transformers, "StaticCache"),
+    "attention interfaces": lambda: _importable("transformers.masking_utils") and hasattr(transformers, "AttentionInterface"),
     "contrastive search": lambda: TF_RELEASE < (4, 56),
     "DoLa decoding": lambda: (4, 43) <= TF_RELEASE < (4, 56),
     "group and constrained beam search": lambda: TF_RELEASE < (4, 57),

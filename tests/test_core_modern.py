@@ -302,21 +302,24 @@ def test_an_empty_static_caches_first_step_reads_a_mask_as_wide_as_its_slots_by_
 
 
 @pytest.mark.parametrize("columns", [1, 2, 3, 7, 8])
+@pytest.mark.parametrize("pads_masks", [True, False], ids=["eager or sdpa", "flash attention"])
 @pytest.mark.parametrize("kind", [Positions.ABSOLUTE, Positions.ROTARY, Positions.MASK])
-def test_a_decode_steps_mask_over_a_static_cache_of_unknown_length_is_extended_to_every_slot(columns, kind):
+def test_a_decode_steps_mask_over_a_static_cache_of_unknown_length_is_extended_to_every_slot(columns, pads_masks, kind):
     """Where a static cache's length is not read (an accelerator, torch.compile), a decode step's 2D mask narrower
     than the slots is extended with ones to every slot, on the device: a prompt's mask not extended since then covers
     every token, and a mask of the tokens so far means what it meant (the causal mask hides the empty slots).  Left as
     given: a mask of one column (the new token's own, or the first cached token's: its value would tell, a read), one
-    as wide as the slots, and every mask of a family that derives positions from each column (OPT)."""
+    as wide as the slots, every mask of a family that derives positions from each column (OPT), and every mask of an
+    attention that keeps as many keys as the mask has columns (flash attention)."""
     from ._sync import simulated_accelerator
 
     unknown = CacheView(None, 2, None, 8, 2, 8, "static")
     mask = torch.tensor([[1] * columns, [0] + [1] * (columns - 1)])
     slots = torch.tensor([5])  # (on the device: not read)
     with simulated_accelerator():
-        aligned = align(_step(mask=mask, cache_position=slots, batch=2), unknown, LIMITS, Policy(positions=kind))
-    if columns in (1, 8) or kind is Positions.MASK:
+        policy = Policy(positions=kind, pads_masks=pads_masks)
+        aligned = align(_step(mask=mask, cache_position=slots, batch=2), unknown, LIMITS, policy)
+    if columns in (1, 8) or kind is Positions.MASK or not pads_masks:
         assert aligned.attention_mask is mask
         return
     assert aligned.attention_mask.tolist() == [row + [1] * (8 - columns) for row in mask.tolist()]

@@ -283,6 +283,63 @@ def test_generate_with_a_static_cache_equals_the_dynamic_cache(model, batch, bea
         assert not torch.equal(plain, dynamic)
 
 
+def _emulated_flash_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' flash-attention-2 path in plain torch (flash-attn needs a GPU): the 2D mask its mask function
+    (``flash_attention_mask``) passes, or None; a static cache's keys cut to the mask's width (``_upad_input``: "the
+    k/v states may be larger than the mask"); the real keys only; the causal mask aligned at the bottom right."""
+    heads = query.shape[1]
+    key = key.repeat_interleave(heads // key.shape[1], 1)
+    value = value.repeat_interleave(heads // value.shape[1], 1)
+    if attention_mask is not None:
+        key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
+    real = attention_mask.bool() if attention_mask is not None else torch.ones(key.shape[0], key.shape[2]).bool()
+    out = torch.zeros_like(query)
+    new = query.shape[2]
+    for row in range(query.shape[0]):
+        kept = real[row].nonzero().flatten()
+        held = kept.numel()
+        causal = torch.arange(held)[None, :] <= (held - new + torch.arange(new))[:, None]
+        out[row] = torch.nn.functional.scaled_dot_product_attention(
+            query[row], key[row][:, kept], value[row][:, kept], attn_mask=causal, scale=scaling
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+@requires("attention interfaces")
+@pytest.mark.parametrize("stale_mask", [False, True], ids=["the mask of the tokens so far", "the prompt's mask"])
+def test_a_flash_attention_over_a_static_cache_keeps_its_mask_as_given_on_an_accelerator(stale_mask):
+    """Flash attention keeps as many of a static cache's keys as the mask has columns, so a mask widened to every slot
+    would have it attend to the empty ones (wrong tokens, nothing raised).  Where the cache's length is not read (an
+    accelerator) a mask is left as given there: a hand loop and ``generate(cache_implementation="static")`` run as
+    vanilla (the prompt's mask too: left, as in vanilla).  Flash attention emulated in plain torch on the CPU."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register("neofix_test_flash", _emulated_flash_attention)
+    AttentionMaskInterface.register("neofix_test_flash", flash_attention_mask)
+    model = tiny_model("llama", seed=0, dtype=torch.float32)
+    model.config._attn_implementation = "neofix_test_flash"
+    ids, mask = left_padded_batch([6, 4, 5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with simulated_accelerator():
+            patched = static_loop(model, model, ids, mask, 6, slots=True, stale_mask=stale_mask)
+        with neofix.unpatched():
+            plain = static_loop(model, model, ids, mask, 6, slots=True, stale_mask=stale_mask)
+    assert torch.equal(patched, plain)
+    if not stale_mask:
+        assert torch.equal(patched, reference_greedy(model, ids, mask, 6)[:, ids.shape[1]:])  # (vanilla is right)
+        kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                      cache_implementation="static")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with simulated_accelerator():
+                patched = model.generate(ids, **kwargs)
+            with neofix.unpatched():
+                plain = model.generate(ids, **kwargs)
+        assert torch.equal(patched, plain)
+
+
 # -- where no repair runs: AttentionWindowError --------------------------------------------------------------------
 
 

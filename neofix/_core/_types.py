@@ -139,7 +139,9 @@ class Policy(NamedTuple):
     ``compiling``: inside ``torch.compile``: shapes only, nothing read off the device, nothing reported.
     ``uncached_positions``: ``"mask"`` derives the positions of a left-padded forward without a cache from the mask;
     ``"transformers"`` leaves transformers' own there.  ``positions``: what positions mean to the model family
-    (:class:`Positions`).
+    (:class:`Positions`).  ``pads_masks``: the model's attention pads a 2D mask to the keys it attends to (eager,
+    sdpa), so a mask may be widened to a static cache's slots; flash attention instead keeps as many keys as the
+    mask has columns.
     """
 
     strict: bool = False
@@ -148,6 +150,7 @@ class Policy(NamedTuple):
     compiling: bool = False
     uncached_positions: str = "mask"
     positions: Positions = Positions.ABSOLUTE
+    pads_masks: bool = True
 
 
 #: What a repaired position after a cache is taken from (a :class:`Report`'s ``truth``): the attention mask; the mask

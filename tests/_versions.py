@@ -202,6 +202,11 @@ FEATURES.update(
             "generate(dola_layers=...) runs in transformers 4.43 - 4.55 (4.56 moved it to a Hub repository)",
         ),
         "StaticCache": ((4, 38), "transformers.StaticCache arrived in transformers 4.38"),
+        "generate slices given positions": (
+            (4, 46),
+            "generate(position_ids=...) feeds a decode step the prompt's positions whole up to 4.45 (a shape error in "
+            "vanilla, a PositionError with neofix)",
+        ),
         "attention interfaces": (
             (0, 0),
             "transformers.AttentionInterface and masking_utils.AttentionMaskInterface (registering an attention and "

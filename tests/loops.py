@@ -62,7 +62,9 @@ def decode(
     positions   "none" | "correct" (new tokens only) | "full" (every token so far) | "stale" (the prompt's) |
                 "frozen" (correct for the prompt, then the prompt's last position again at every step: a loop that
                 forgets to increment) | "prompt" (correct for the prompt, as generate gives them, then none) |
-                "offset" (correct plus one at every step: consistent, a loop counting from 1) | "arange" (arange over the padded width, then the sequence length: the
+                "offset" (correct plus one at every step: consistent, a loop counting from 1) | "offset-prompt"
+                (correct plus one for the prompt, then none) | "offset-frozen" (correct plus one for the prompt, then
+                its last again at every step) | "arange" (arange over the padded width, then the sequence length: the
                 classic batched-generation bug).
     cache_format "native" (what the model returned) | "legacy" (tuples) | "object" (a DynamicCache).
     chunks      split points: the prompt is fed in pieces with the cache (chunked prefill).
@@ -99,6 +101,12 @@ def decode(
         elif positions == "prompt":
             if step < len(feeds):
                 kwargs["position_ids"] = reference_positions(step_mask)[:, -new.shape[1]:]
+        elif positions == "offset-prompt":
+            if step < len(feeds):
+                kwargs["position_ids"] = reference_positions(step_mask)[:, -new.shape[1]:] + 1
+        elif positions == "offset-frozen":
+            prompt_positions = reference_positions(prompt_mask) + 1
+            kwargs["position_ids"] = prompt_positions if step < len(feeds) else prompt_positions[:, -1:]
         elif positions == "frozen":
             prompt_positions = reference_positions(prompt_mask)
             kwargs["position_ids"] = prompt_positions if step < len(feeds) else prompt_positions[:, -1:]

@@ -168,27 +168,80 @@ def test_no_positions_after_a_cache_of_the_masks_are_the_masks(new, on_device):
 
 
 @pytest.mark.parametrize(
+    "given, expected",
+    [
+        ([[8], [6], [7]], [[8], [6], [7]]),  # the mask's plus 5: kept
+        ([[7], [5], [6]], [[8], [6], [7]]),  # not advanced: the mask's plus 5
+        ([[3], [1], [2]], [[8], [6], [7]]),  # the mask's, the offset dropped: the mask's plus 5
+        ([[3], [3], [3]], [[8], [6], [7]]),  # the columns: the mask's plus 5
+        ([[8]], [[8], [6], [7]]),  # one row for all: the mask's plus 5
+    ],
+)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_rotary_positions_after_a_cache_of_an_offset_continue_it(given, expected, on_device):
+    """A cache whose prompt was given the mask's positions plus 5 on every real token (``built`` 5) holds those: only
+    they continue it, so positions that do not advance, or drop the offset, are repaired to them, in words that say
+    so (strict: the error)."""
+    from ._sync import device_reads
+
+    cache = _cache(3)._replace(built=5)
+    with device_reads(on_device):
+        aligned = align(_step(torch.tensor(given)), cache, LIMITS, ROTARY)
+    assert torch.broadcast_to(aligned.position_ids, (3, 1)).tolist() == expected
+    if on_device:
+        assert aligned.report.truth == "offset"
+        assert aligned.report.derived.tolist() == [[8], [6], [7]]
+    strict = Policy(strict=True, positions=Positions.ROTARY)
+    if torch.broadcast_to(torch.tensor(given), (3, 1)).tolist() != expected:
+        with pytest.raises(PositionError, match=r"^position_ids\[(\d), 0\] is \d at the step after 3 cached tokens, "
+                           r"but the cache holds positions its prompt was given, the mask's plus the same number on "
+                           r"every real token, which put that real token of row \1 at position \d"):
+            align(_step(torch.tensor(given)), cache, LIMITS, strict)
+    else:
+        assert align(_step(torch.tensor(given)), cache, LIMITS, strict).repairs == ()
+
+
+@pytest.mark.parametrize("new", [1, 2], ids=["decode step", "chunk"])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_no_positions_after_a_cache_of_an_offset_continue_it(new, on_device):
+    """After a cache whose prompt was given the mask's positions plus 5, a step given none gets those (the mask's plus
+    5), derived on the device and not said; so does one without left padding (transformers' own would drop it)."""
+    from ._sync import device_reads
+
+    for mask, expected in ((MASK, [[8, 9], [6, 7], [7, 8]]), (torch.ones(3, 4, dtype=torch.long), [[8, 9]] * 3)):
+        mask = torch.cat([mask[:, :3], torch.ones(3, new, dtype=torch.long)], -1)
+        with device_reads(on_device):
+            aligned = align(_step(None, mask, new), _cache(3)._replace(built=5), LIMITS, ROTARY)
+        assert aligned.position_ids.tolist() == [row[:new] for row in expected]
+        assert [repair.message for repair in aligned.repairs] == [""]  # (not said)
+
+
+@pytest.mark.parametrize(
     "mask, given, built",
     [
         ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [0, 0, 1]], BY_MASK),  # the mask's, a left-padded row: told
         ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [1, 0, 1]], BY_MASK),  # a pad's position is not judged
         ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2]], BY_COLUMNS),  # one row for all, an arange: the columns
         ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [5, 1, 2]], BY_COLUMNS),  # the columns (the pad's not judged)
-        ([[1, 1, 1], [0, 1, 1]], [[5, 6, 7], [0, 5, 6]], BY_GIVEN),  # neither: the caller's own
-        ([[1, 1, 1], [1, 1, 1]], [[1, 2, 3]], BY_GIVEN),  # every token real, positions from 1: the caller's own
+        ([[1, 1, 1], [0, 1, 1]], [[5, 6, 7], [0, 5, 6]], 5),  # the mask's plus 5 in every row: that offset
+        ([[1, 1, 1], [0, 1, 1]], [[5, 6, 7], [0, 6, 7]], BY_GIVEN),  # offsets that differ by row: the caller's own
+        ([[1, 1, 1], [0, 1, 1]], [[5, 6, 8], [0, 5, 6]], BY_GIVEN),  # no one offset in a row: the caller's own
+        ([[1, 1, 1], [1, 1, 1]], [[1, 2, 3]], 1),  # every token real, positions from 1: the offset 1
         ([[1, 1, 1], [1, 1, 0]], [[0, 1, 2], [0, 1, 1]], None),  # no pad before a real token: the schemes agree
         ([[1, 0, 1], [1, 1, 1]], [[0, 1, 1], [0, 1, 2]], BY_MASK),  # a gap: the mask's differ from the columns there
         ([[1, 0, 1], [1, 1, 1]], [[0, 1, 2], [0, 1, 2]], BY_COLUMNS),  # the gap's real token at its column
         (None, [[0, 1, 2]], None),  # no mask, every token real: both schemes are the columns
         (None, [[1, 2, 3], [0, 1, 2]], BY_GIVEN),  # no mask, a row's positions from 1: the caller's own
+        (None, [[2, 3, 4]], 2),  # no mask, every row's from 2: the offset 2
     ],
 )
 @pytest.mark.parametrize("on_device", [False, True])
 def test_a_rotary_prompts_given_positions_tell_which_its_cache_is_built_with(mask, given, built, on_device):
     """A rotary prompt's given positions are read with its values: every real token at the mask's position, where a
     row has a pad before a real token (there the two schemes differ), builds the cache with the mask's; every one at
-    its column, where the schemes differ, with the columns; neither, with the caller's own (``Aligned.built``, which
-    the wrapper remembers).  The step itself is passed on unchanged."""
+    its column, where the schemes differ, with the columns; every one at the mask's plus the same number, with that
+    offset; none of these, with the caller's own (``Aligned.built``, which the wrapper remembers).  The step itself
+    is passed on unchanged."""
     from ._sync import device_reads
 
     mask, given = (None if mask is None else torch.tensor(mask)), torch.tensor(given)

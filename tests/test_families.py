@@ -26,7 +26,14 @@ import transformers
 
 import neofix
 from neofix._families import FAMILIES
-from neofix.testing import FAMILY_CONFIGS, _takes_positions, reference_greedy, tiny_config, tiny_model
+from neofix.testing import (
+    FAMILY_CONFIGS,
+    _takes_positions,
+    reference_greedy,
+    reference_positions,
+    tiny_config,
+    tiny_model,
+)
 
 from ._sync import HostReads, simulated_accelerator
 from ._versions import TF_RELEASE, cache_keyword, legacy, output_cache, requires
@@ -161,6 +168,55 @@ def test_positions_offset_from_the_masks_run_as_vanilla_on_a_rotary_family(lm, a
     assert torch.equal(tokens, plain)
     assert torch.equal(tokens, reference(lm, ids, mask))
     assert messages == []
+
+
+@pytest.mark.parametrize("positions", ["offset-prompt", "offset-frozen"])
+@pytest.mark.parametrize("lengths", [[6, 3, 5], [6, 6, 6]], ids=["left-padded", "unpadded"])
+def test_steps_after_a_prompt_given_an_offset_continue_it_on_a_rotary_family(lm, adapter, lengths, positions):
+    """A prompt given the mask's positions plus one (on every real token of every row), then steps given none, or
+    the prompt's last position again at every step (a loop that does not increment): the cache holds the offset
+    positions, so the steps must continue them.  neofix derives the missing ones, and repairs the frozen ones (said
+    once), as the mask's plus one: the reference's tokens (rotary: only differences matter).  Vanilla's drop the
+    offset (transformers' own) or do not advance: wrong tokens, but where the rows decode an end token at once."""
+    if not adapter.positions.rotary or not _takes_positions(lm):
+        pytest.skip(f"{type(lm).__name__}: positions are {adapter.positions.value} (only differences matter: rotary)")
+    ids, mask = left_padded_batch(lengths)
+    (tokens, messages), (plain, _) = patched_and_vanilla(
+        lambda: run(lambda: decode(lm, ids, mask, STEPS, positions=positions))
+    )
+    if isinstance(plain, Exception):  # vanilla cannot run the prompt's (4.36 - 4.44 index a rotary table as long as
+        # the sequence by them): neofix runs them right or not at all
+        assert isinstance(tokens, Exception) or torch.equal(tokens, reference(lm, ids, mask)), tokens
+        return
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, reference(lm, ids, mask))
+    if positions == "offset-frozen":
+        assert len(messages) == 1 and "the mask's plus the same number on every real token" in messages[0], messages
+    else:
+        assert messages == []
+
+
+@requires("generate slices given positions")
+def test_generate_given_positions_offset_from_the_masks_gives_the_reference_on_a_rotary_family(lm, adapter):
+    """``generate(position_ids=...)`` with the mask's positions plus 5: on 4.46 - 5.0 transformers passes the prompt's
+    last one again at every step (wrong tokens); neofix, which read the prompt's offset, repairs them to the mask's
+    plus 5: the full-recompute reference's tokens, with those positions (up to a row's first end token, which the
+    reference does not stop at).  From 5.2, vanilla's, which advance them."""
+    if not adapter.positions.rotary or not _takes_positions(lm):
+        pytest.skip(f"{type(lm).__name__}: positions are {adapter.positions.value} (only differences matter: rotary)")
+    ids, mask = left_padded_batch([6, 3, 5])
+    given = reference_positions(mask) + 5
+
+    def call():
+        return generate(lm, ids, mask, position_ids=given, do_sample=False, min_new_tokens=STEPS)
+
+    (tokens, _), (plain, _) = patched_and_vanilla(lambda: run(call))
+    assert isinstance(tokens, torch.Tensor), tokens
+    for got, expected in zip(tokens[:, ids.shape[1]:].tolist(), reference(lm, ids, mask).tolist()):
+        ended = expected.index(0) if 0 in expected else STEPS
+        assert got[:ended] == expected[:ended]
+    if TF_RELEASE >= (5, 2):
+        assert torch.equal(tokens, plain)
 
 
 @requires("generate returns its cache")

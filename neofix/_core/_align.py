@@ -178,7 +178,8 @@ def keeps_every_rule(
         return not (compare or derive), None
     facts = read_values(input_ids, None, positions, given, compare, mask, new, past, limits, None, scheme)
     check_values(facts, input_ids, None, positions, mask, limits)
-    kept = positions_kept(facts, compare, derive) and not rows_to_mark(facts, past) and built_by(facts, scheme) is None
+    kept = positions_kept(facts, compare, derive, cache.built) and not rows_to_mark(facts, past)
+    kept = kept and built_by(facts, scheme) is None
     return kept, facts
 
 

@@ -52,7 +52,8 @@ class Facts(NamedTuple):
     positions after the cache), or, without a cache where ``scheme`` asks, some real token's; ``counts_pads``: without
     a cache, the rows whose given positions count their left padding (``arange`` over the padded width);
     ``columns``: without a cache where ``scheme`` asks, every real token's given position is its column (``False``
-    where not asked).
+    where not asked); ``offset``: there, where they are wrong, the one number every real token's given position is
+    off from the mask's by (the same in every row), else ``None``.
     """
 
     ids: tuple[int, int] | None
@@ -64,6 +65,7 @@ class Facts(NamedTuple):
     wrong: bool
     counts_pads: tuple[int, ...]
     columns: bool = False
+    offset: int | None = None
 
 
 Reader = Callable[[Question], Facts]
@@ -96,7 +98,7 @@ def read_on_host(question: Question) -> Facts:
     else:
         rows = mask.tolist()
         binary, left, right, leading = _scan(rows)
-    wrong, counts_pads, columns = False, (), False
+    wrong, counts_pads, columns, offset = False, (), False, None
     # (without a cache only a row with a pad before a real token can count its pads)
     if (compare and binary and (past != 0 or left)) or (scheme and binary):
         given = positions.tolist()
@@ -110,13 +112,15 @@ def read_on_host(question: Question) -> Facts:
             else:
                 wrong = any(map(_wrong, rows, leading, given, repeat(new)))  # type: ignore[arg-type]
             columns = not wrong if not left else all(map(_at_columns, rows, given, repeat(every)))  # type: ignore[arg-type]
+            if wrong and not columns:
+                offset = _offset(rows, given, new)
         elif past == 0:
             counts_pads = tuple(row for row, own in enumerate(given) if rows is not None and _counts_pads(rows[row], own))
         elif rows is None:  # every token real: the new tokens continue after the cache
             wrong = past is not None and any(own != _numbers(past, past + new) for own in given)
         else:
             wrong = any(map(_wrong, rows, leading, given, repeat(new)))  # type: ignore[arg-type]
-    return _new(Facts, (None, None, None, binary, left, right, wrong, counts_pads, columns))
+    return _new(Facts, (None, None, None, binary, left, right, wrong, counts_pads, columns, offset))
 
 
 def _scan(rows: list[list[Any]]) -> tuple[bool, bool, tuple[int, ...], list[int | None]]:
@@ -181,6 +185,19 @@ def _at_columns(row: list[int], own: list[int], every: list[int]) -> bool:
     return list(compress(own, row)) == list(compress(every, row))
 
 
+def _offset(rows: list[list[int]] | None, given: list[list[int]], new: int) -> int | None:
+    """Without a cache: the one number by which every row's real tokens' given positions are off from the mask's
+    (``rows``: the mask's; ``None``: every token real), or ``None`` where they differ (or no token is real)."""
+    found: set[int] = set()
+    for index, own in enumerate(given):
+        row = rows[index] if rows is not None else [1] * new
+        at = map(sub, accumulate(row), repeat(1))  # (a real token's count - 1: its mask position)
+        found.update(map(sub, compress(own, row), compress(at, row)))
+        if len(found) > 1:
+            return None
+    return found.pop() if found else None
+
+
 def _counts_pads(row: list[int], own: list[int]) -> bool:
     """Whether a row with left padding has its real tokens at positions that count the pads (column numbers)."""
     if not row or row[0] or 1 not in row:
@@ -207,7 +224,7 @@ def read_on_device(question: Question) -> Facts:
     ids = add(*torch.aminmax(input_ids)) if input_ids is not None else None
     types = add(*torch.aminmax(token_types)) if token_types is not None else None
     ranged = add(*torch.aminmax(positions)) if positions is not None and range_of_positions else None
-    binary = steps = last = wrong = counts = columns = None
+    binary = steps = last = wrong = counts = columns = offsets = None
     if mask is not None:
         binary = add(((mask != 0) & (mask != 1)).any())
         if mask.shape[-1] > 1:  # per row: +1 where a pad is followed by a real token, -1 the other way
@@ -220,6 +237,8 @@ def read_on_device(question: Question) -> Facts:
             wrong = add((real & (positions != derived)).any())
             if scheme:
                 columns = add((real & (positions != torch.arange(new, device=positions.device))).any())
+                off = positions - derived  # (by how much each real token is off the mask's: one number, or many)
+                offsets = add(torch.where(real, off, _FAR).min(), torch.where(real, off, -_FAR).max())
     elif compare and mask is not None:
         counts = add(counts_padding(positions, mask))
     values = torch.cat(parts).tolist() if parts else []  # the one read
@@ -230,6 +249,8 @@ def read_on_device(question: Question) -> Facts:
     rows = mask.shape[0] if mask is not None else 0
     lows, highs = (values[steps][:rows], values[steps][rows:]) if steps is not None else ([], [])
     ends = values[last] if last is not None else []
+    wrongly, at_columns = wrong is not None and bool(values[wrong][0]), columns is not None and not values[columns][0]
+    low, high = values[offsets] if offsets is not None else (None, None)
     return Facts(
         pair(ids),
         pair(types),
@@ -237,10 +258,16 @@ def read_on_device(question: Question) -> Facts:
         binary is None or not values[binary][0],
         max(highs, default=0) > 0,
         tuple(row for row, (low, end) in enumerate(zip(lows, ends)) if low < 0 and not end),
-        wrong is not None and bool(values[wrong][0]),
+        wrongly,
         tuple(row for row, flag in enumerate(values[counts]) if flag) if counts is not None else (),
-        columns is not None and not values[columns][0],
+        at_columns,
+        low if wrongly and not at_columns and low == high else None,
     )
+
+
+#: Beyond any offset of positions (torch.long's largest): where no token is real, the smallest offset and the largest
+#: differ.
+_FAR = 2**63 - 1
 
 
 def step_truth(

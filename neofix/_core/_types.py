@@ -50,8 +50,9 @@ class Positions(enum.Enum):
       ``CacheView.built``), and after a cache repaired where they are not (positions that do not advance, see
       :func:`~neofix._core._values.rotary_truth`); stale ones cannot be told apart from either scheme:
       an error.  After a cache built with the mask's positions, missing ones are derived from the mask (transformers'
-      own, the columns, would not continue it); after one built with positions of neither scheme (an offset, say), the
-      steps' positions are left as given, as vanilla does.
+      own, the columns, would not continue it), and after one built with the mask's plus an offset, those; after one
+      built with positions of no scheme (offsets that differ by row, say), the steps' positions are left as given, as
+      vanilla does.
     * ``NONE`` (BLOOM, ALiBi): the model takes no positions; they are left alone.
     """
 
@@ -94,9 +95,10 @@ class CacheView(NamedTuple):
     #: The positions its tokens were given, where its caller saw a rotary family's prompt build it: ``BY_COLUMNS``,
     #: transformers' own, each its column (left padding counted: the prompt was given none, or those); ``BY_MASK``, the
     #: mask's (the prompt was given them, and a row with a pad before a real token tells them from the columns);
-    #: ``BY_GIVEN``, neither (an offset, say: the caller's own, which only the caller can continue); ``None``: not
+    #: an int ``d``, the mask's plus ``d`` on every real token of every row (the caller's offset, which the steps
+    #: continue); ``BY_GIVEN``, none of these (the caller's own, which only the caller can continue); ``None``: not
     #: known (no prompt seen, or one whose positions agree with both schemes).
-    built: str | None = None
+    built: str | int | None = None
 
 
 NO_CACHE = CacheView(0, None, None, None, None, None, "none")
@@ -157,7 +159,8 @@ class Policy(NamedTuple):
 #: shifted by the row's leading pads, where the cache holds transformers' own positions (a rotary prompt given none,
 #: its real tokens at their columns); or, with no mask, the count of tokens.  The first two also name the positions a
 #: rotary cache was built with (:attr:`CacheView.built`), beside a third: positions of neither scheme, the caller's own.
-BY_MASK, BY_COLUMNS, BY_COUNT, BY_GIVEN = "mask", "columns", "count", "given"
+#: ``BY_OFFSET``: the mask's plus a number (a cache built with them: ``built`` is that number).
+BY_MASK, BY_COLUMNS, BY_COUNT, BY_GIVEN, BY_OFFSET = "mask", "columns", "count", "given", "offset"
 
 
 class Report(NamedTuple):
@@ -193,7 +196,7 @@ class Aligned(NamedTuple):
     report: Report | None = None
     right_padded: tuple[int, ...] = ()
     #: A rotary prompt's given positions, where its values told them (see :attr:`CacheView.built`), else None.
-    built: str | None = None
+    built: str | int | None = None
 
     @property
     def repair_kinds(self) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from ._types import (
     BY_COUNT,
     BY_GIVEN,
     BY_MASK,
+    BY_OFFSET,
     CACHE_POSITION_VALUES,
     POSITION_VALUES,
     POSITIONS_COUNT_PADDING,
@@ -62,14 +63,14 @@ class ValueStep(NamedTuple):
     new: int
     past: int | None
     cache_position: Any
-    built: str | None = None
+    built: str | int | None = None
 
 
 class Settled(NamedTuple):
     positions: Any
     report: Report | None
     right_padded: tuple[int, ...]
-    built: str | None = None
+    built: str | int | None = None
 
 
 def settle(
@@ -112,17 +113,18 @@ def value_plan(
     trusted: bool,
     check_values: bool,
     strict: bool,
-    built: str | None = None,
+    built: str | int | None = None,
 ) -> tuple[bool, bool, bool, bool, bool]:
     """``(compare, derive, read, rotary, scheme)``: whether given positions are compared with the 2D mask's (``kind``
     looks them up in a table, and generate did not build them from the mask after a cache), whether missing ones are
-    derived from it (``kind`` derives none itself, or the cache was ``built`` with the mask's), whether the step reads
+    derived from it (``kind`` derives none itself, or the cache was ``built`` with the mask's, or offset from them: see
+    :func:`offset_of`), whether the step reads
     its values (every step but a single-token decode step, unless ``check_values`` asks, or strict mode must judge
     given positions at once), whether given rotary positions after a cache are judged by :func:`rotary_truth` (not
     generate's own, nor after a cache ``built`` with positions of neither scheme: the caller's own), and whether a rotary prompt's given positions are read for the scheme its cache is built with
     (:func:`built_by`)."""
     compare = given and kind.compared and not model_mask and (not trusted or past == 0)
-    derive = not given and mask_2d and (kind.derived or built == BY_MASK)
+    derive = not given and mask_2d and (kind.derived or built == BY_MASK or offset_of(built) != 0)
     decode = new == 1 and past != 0
     rotary = scheme = False
     if given and kind.rotary and not model_mask:
@@ -154,12 +156,13 @@ def read_values(
     return _reads.reader_for(question)(question)
 
 
-def positions_kept(facts: Facts, compare: bool, derive: bool) -> bool:
+def positions_kept(facts: Facts, compare: bool, derive: bool, built: str | int | None = None) -> bool:
     """Whether the facts leave the step's positions as they are: given ones that agree with the mask, or none to
-    derive from a mask without left padding (every real token then sits at its column: transformers' own are right)."""
+    derive from a mask without left padding (every real token then sits at its column: transformers' own are right,
+    unless the cache was ``built`` with the mask's offset)."""
     if compare and (facts.wrong or facts.counts_pads):
         return False
-    return not (derive and facts.left)
+    return not (derive and (facts.left or offset_of(built) != 0))
 
 
 def rows_to_mark(facts: Facts, past: int | None) -> tuple[int, ...]:
@@ -171,13 +174,21 @@ def built_by(facts: Facts, scheme: bool) -> str | None:
     """The positions a rotary prompt's cache is built with, where its values tell (``scheme``: the prompt's given
     positions were read): ``BY_MASK`` where every real token is at the mask's position and a row has a pad before a
     real token (there the mask's and the columns differ); ``BY_COLUMNS`` where every one is at its column and the mask's
-    differ; ``BY_GIVEN`` where they are neither (an offset, say: the caller's own scheme); else ``None`` (the two
-    schemes agree on every real token: either continues the cache)."""
+    differ; the offset ``d`` (an int) where every one is at the mask's plus the same ``d``; ``BY_GIVEN`` where they are
+    none of these (the caller's own scheme); else ``None`` (the two schemes agree on every real token: either
+    continues the cache)."""
     if not scheme:
         return None
     if not facts.wrong:
         return BY_MASK if facts.left else None
-    return BY_COLUMNS if facts.columns else BY_GIVEN
+    if facts.columns:
+        return BY_COLUMNS
+    return BY_GIVEN if facts.offset is None else facts.offset
+
+
+def offset_of(built: str | int | None) -> int:
+    """The number a cache's positions are off from the mask's: ``built`` where that is one (an int), else 0."""
+    return built if type(built) is int else 0
 
 
 def _empty(tensor: Any) -> bool:
@@ -185,7 +196,7 @@ def _empty(tensor: Any) -> bool:
 
 
 def rotary_truth(
-    positions: torch.Tensor, mask: Any, new: int, past: int, built: str | None
+    positions: torch.Tensor, mask: Any, new: int, past: int, built: str | int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(target, wrong)`` for rotary positions given after a cache of ``past`` tokens (computed on the device).
 
@@ -201,7 +212,8 @@ def rotary_truth(
     ``target`` is that, which is the column on a left-padded row and the mask's on a row without leading pads (right
     padding, or a pad fed after the prompt), and the mask's own positions are wrong on a left-padded row.  Where it is
     known to hold the mask's (``BY_MASK``: its prompt was given them), ``target`` is the mask's, and the columns are
-    wrong on a row with a pad before a real token.
+    wrong on a row with a pad before a real token; where it holds the mask's plus ``d`` (``built`` that int: its
+    prompt was given them), ``target`` is those, and the columns are wrong.
     """
     column = torch.arange(past, past + new, device=positions.device).unsqueeze(0)
     if positions.dim() == 1:  # one row for every row
@@ -212,9 +224,11 @@ def rotary_truth(
     derived = counted[:, -new:] - 1
     if built == BY_COLUMNS:
         derived = derived + (counted == 0).sum(-1, keepdim=True)  # (the row's leading pads)
+    elif offset_of(built):
+        derived = derived + offset_of(built)
     real = mask[:, -new:] != 0
     either = (~real | (positions == derived)).all()  # one scheme, every row: the mask's (shifted, after columns)
-    if built != BY_MASK:
+    if built is None or built == BY_COLUMNS:
         either = either | (~real | (positions == column)).all()  # or the columns
     if built is not None:
         target = derived
@@ -247,10 +261,11 @@ def on_host(positions: Any, mask: Any) -> bool:
     return _reads.reader_for(Question(None, None, positions, False, False, mask, 0, None, None)) is _reads.read_on_host
 
 
-def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, built: str | None) -> bool:
+def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, built: str | int | None) -> bool:
     """:func:`rotary_truth`'s "right" on the host: every real token's given position is its column's (not after a
-    cache ``built`` with the mask's), or every one's is the mask's (shifted by its row's leading pads after one built
-    with the columns): list scans of the positions and the mask."""
+    cache ``built`` with the mask's, or offset from them), or every one's is the mask's (shifted by its row's leading
+    pads after one built with the columns, by the offset after one built with that): list scans of the positions and
+    the mask."""
     given = positions.tolist()
     if positions.dim() == 1:
         given = [given]
@@ -260,9 +275,9 @@ def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, buil
     rows = mask.tolist()
     if len(given) == 1:
         given = given * len(rows)
-    as_columns, as_mask = built != BY_MASK, True
+    as_columns, as_mask = built is None or built == BY_COLUMNS, True
     for row, values in zip(rows, given):
-        before = sum(row[:-new])  # (the cached tokens' real ones)
+        before = sum(row[:-new]) + offset_of(built)  # (the cached tokens' real ones, and the cache's offset)
         if built == BY_COLUMNS and 1 in row:
             before += row.index(1)  # (the row's leading pads: its prompt's real tokens sit at their columns)
         for value, flag, at in zip(values, row[-new:], column):
@@ -363,7 +378,7 @@ def _positions_from(
     """The positions the facts call for: given ones repaired where they disagree with the mask, missing ones derived
     from a mask with left padding, else the step's own (``None``: transformers' own, which are the mask's)."""
     mask = step.mask
-    if positions_kept(facts, compare, derive):
+    if positions_kept(facts, compare, derive, step.built):
         return step.positions
     if compare and facts.wrong:
         derived, real = step_truth(mask, step.new, step.past, step.positions, step.cache_position)  # type: ignore[misc]
@@ -378,7 +393,7 @@ def _positions_from(
         repairs.append(Repair(POSITIONS_DERIVED, lambda: _from_mask_message(mask)))
     else:
         repairs.append(Repair(POSITIONS_DERIVED, ""))  # said at prefill: a chunk continues the rows as they are
-    return mask_positions(mask, step.new, step.past, step.cache_position)
+    return _derived(step)
 
 
 def _settle_without_reading(step: ValueStep, compare: bool, derive: bool, repairs: list[Repair]) -> Settled:
@@ -387,7 +402,7 @@ def _settle_without_reading(step: ValueStep, compare: bool, derive: bool, repair
         return _repaired_on_device(step.positions, step.mask, step.past, step.cache_position)
     if derive:
         repairs.append(Repair(POSITIONS_DERIVED, ""))
-        return Settled(mask_positions(step.mask, 1, step.past, step.cache_position), None, ())
+        return Settled(_derived(step), None, ())
     return Settled(step.positions, None, ())
 
 
@@ -409,11 +424,18 @@ def _positions_on_device(step: ValueStep, compare: bool, derive: bool) -> Any:
             derived, real = truth
             return torch.where(real & (step.positions != derived), derived, step.positions)
     if derive:
-        return mask_positions(step.mask, step.new, step.past, step.cache_position)
+        return _derived(step)
     return step.positions
 
 
 # -- positions from the mask -----------------------------------------------------------------------------------------
+
+
+def _derived(step: ValueStep) -> torch.Tensor:
+    """Missing positions of a step: the mask's (:func:`mask_positions`), plus the offset its cache was built with."""
+    positions = mask_positions(step.mask, step.new, step.past, step.cache_position)
+    offset = offset_of(step.built)
+    return positions + offset if offset else positions
 
 
 def derive_positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -489,8 +511,10 @@ def describe_wrong(
     return describe_position(row, column, value, expected, past, truth)
 
 
-def _truth(mask: Any, built: str | None = None) -> str:
-    return BY_COUNT if mask is None else BY_COLUMNS if built == BY_COLUMNS else BY_MASK
+def _truth(mask: Any, built: str | int | None = None) -> str:
+    if mask is None:
+        return BY_COUNT
+    return BY_COLUMNS if built == BY_COLUMNS else BY_OFFSET if offset_of(built) else BY_MASK
 
 
 _CAUSE = "arange over a left-padded batch, or a loop that does not increment its positions?"
@@ -506,6 +530,11 @@ _WORDS = {  # truth -> (the words for where the token is, what was used, the lik
                  "not increment its positions?", _AFTER_OWN),
     BY_COUNT: ("with no attention mask every token is real, so that token is at position {expected}",
                "positions continuing after the cache", _CAUSE, _FIX_VALUES),
+    BY_OFFSET: ("the cache holds positions its prompt was given, the mask's plus the same number on every real token, "
+                "which put that real token of row {row} at position {expected}", "those, continued",
+                "a loop that does not increment its positions, or drops the offset?",
+                "after a prompt given the mask's positions plus a number, pass the same number added at every step, "
+                "or pass none and neofix continues them"),
 }
 
 

@@ -199,7 +199,7 @@ def _judge(
         )
         if kept:
             return True, None
-    return False, align(step, view, limits, _policy(model, call, adapter, eager), facts)
+    return False, align(step, view, limits, _policy(model, call, adapter, eager, view), facts)
 
 
 #: The attention implementations that pad a 2D mask to the keys they attend to (a static cache's slots), so that a
@@ -207,7 +207,7 @@ def _judge(
 _PADDING_MASKS = ("eager", "sdpa")
 
 
-def _policy(model: Any, call: dict, adapter: Adapter, eager: bool) -> Policy:
+def _policy(model: Any, call: dict, adapter: Adapter, eager: bool, view: CacheView) -> Policy:
     given = call.get("position_ids")
     return Policy(
         strict=settings.strict,
@@ -217,7 +217,8 @@ def _policy(model: Any, call: dict, adapter: Adapter, eager: bool) -> Policy:
         compiling=not eager,
         uncached_positions=settings.uncached_positions,
         positions=adapter.positions,
-        pads_masks=attention_of(model.config) in _PADDING_MASKS,
+        # (asked only over a static cache: the config's attribute read, a costly one, only there)
+        pads_masks=view.capacity is None or attention_of(model.config) in _PADDING_MASKS,
     )
 
 

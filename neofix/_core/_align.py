@@ -90,8 +90,7 @@ def align(
     total, past_the_table = check_cache(cache, batch, new, limits)
     strict = policy.strict
     repairs: list[Repair] = []
-    widen = policy.pads_masks and policy.positions is not Positions.MASK
-    passed, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs, widen)
+    passed, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs, policy)
     mask = passed
     if mask_2d and total is not None and mask.shape[-1] > total:  # a static cache's slots (_read_by_slot): its
         mask = mask[:, :total]  # first columns are the tokens so far (the slots past them are empty)
@@ -313,10 +312,10 @@ def align_mask(
     total: int | None,
     strict: bool,
     repairs: list[Repair],
-    widen: bool = True,
+    policy: Policy = Policy(),
 ) -> tuple[Any, bool]:
-    """The mask to use (a 2D mask extended where it was not), and whether it is a 2D padding mask (``widen``: a
-    static cache's may be widened to its slots, see :func:`_extended_to_the_slots`).
+    """The mask to use (a 2D mask extended where it was not), and whether it is a 2D padding mask (``policy``: whether
+    a static cache's may be widened to its slots, see :func:`_extended_to_the_slots`).
 
     A 3D or 4D mask is the model's own attention mask (transformers builds one for static caches): one row per new
     token, and one column per cached plus new token, or per slot of a static cache.
@@ -332,7 +331,7 @@ def align_mask(
             _raise_past_capacity(mask.shape[1], cache.capacity)
         if total is not None and total < mask.shape[1] and _read_by_slot(mask.shape[1], cache):
             return mask, True  # read by slot, as transformers reads it, and passed on as given (see align)
-        if total is None and widen and _extended_to_the_slots(mask.shape[1], new, cache):
+        if total is None and _extended_to_the_slots(mask.shape[1], new, cache, policy):
             return torch.cat([mask, mask.new_ones((batch, cache.capacity - mask.shape[1]))], dim=-1), True
         return _align_padding_mask(mask, batch, new, cache.length, total, strict, repairs), True
     if dims in (3, 4):
@@ -349,7 +348,7 @@ def _read_by_slot(columns: int, cache: CacheView) -> bool:
     return cache.layout == "static" and (cache.capacity is None or columns <= cache.capacity)
 
 
-def _extended_to_the_slots(columns: int, new: int, cache: CacheView) -> bool:
+def _extended_to_the_slots(columns: int, new: int, cache: CacheView, policy: Policy) -> bool:
     """Whether a decode step's 2D mask over a static cache whose length is not known (on an accelerator, or inside
     ``torch.compile``) is extended with ones to the cache's slots, unread: a mask of the tokens so far, the prompt's
     not extended since (the classic bug), or one allocated up front.  Every such reading gives the same mask: its
@@ -357,11 +356,13 @@ def _extended_to_the_slots(columns: int, new: int, cache: CacheView) -> bool:
     slots' columns are hidden by the causal mask whatever they hold.  (Strict mode reads the length in an eager call,
     :func:`length_from_slots`: this is for ``torch.compile`` there, which repairs what it cannot read.)  A mask as
     wide as the new token alone is left as given (its value is that token's, or the first cached token's: a read
-    would tell).  Only where the mask may be widened at all (:func:`align`): not for a family that derives positions
-    from each column it is given (``Positions.MASK``, OPT: it would derive one for every slot), nor where the
-    attention keeps as many keys as the mask has columns (flash attention: ``Policy.pads_masks``)."""
+    would tell), and so is every mask of a family that derives positions from each column it is given
+    (``Positions.MASK``, OPT: it would derive one for every slot), and of an attention that keeps as many keys as the
+    mask has columns (flash attention: ``Policy.pads_masks``)."""
     capacity = cache.capacity  # (a static cache's slots: None for any other, and over sliding-window layers)
-    return capacity is not None and new == 1 and new < columns < capacity
+    if capacity is None or not policy.pads_masks or policy.positions is Positions.MASK:
+        return False
+    return new == 1 and new < columns < capacity
 
 
 def _align_padding_mask(

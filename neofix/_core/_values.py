@@ -124,7 +124,7 @@ def value_plan(
     generate's own, nor after a cache ``built`` with positions of neither scheme: the caller's own), and whether a rotary prompt's given positions are read for the scheme its cache is built with
     (:func:`built_by`)."""
     compare = given and kind.compared and not model_mask and (not trusted or past == 0)
-    derive = not given and mask_2d and (kind.derived or built == BY_MASK or offset_of(built) != 0)
+    derive = not given and mask_2d and (kind.derived or built == BY_MASK or type(built) is int)  # (int: an offset)
     decode = new == 1 and past != 0
     rotary = scheme = False
     if given and kind.rotary and not model_mask:
@@ -162,7 +162,7 @@ def positions_kept(facts: Facts, compare: bool, derive: bool, built: str | int |
     unless the cache was ``built`` with the mask's offset)."""
     if compare and (facts.wrong or facts.counts_pads):
         return False
-    return not (derive and (facts.left or offset_of(built) != 0))
+    return not (derive and (facts.left or type(built) is int))  # (an int: the offset, see offset_of)
 
 
 def rows_to_mark(facts: Facts, past: int | None) -> tuple[int, ...]:
@@ -434,8 +434,7 @@ def _positions_on_device(step: ValueStep, compare: bool, derive: bool) -> Any:
 def _derived(step: ValueStep) -> torch.Tensor:
     """Missing positions of a step: the mask's (:func:`mask_positions`), plus the offset its cache was built with."""
     positions = mask_positions(step.mask, step.new, step.past, step.cache_position)
-    offset = offset_of(step.built)
-    return positions + offset if offset else positions
+    return positions + step.built if type(step.built) is int else positions  # (an int: the offset, see offset_of)
 
 
 def derive_positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:

@@ -264,7 +264,7 @@ def _call(
     adapter: Adapter,
     eager: bool,
     right_padded: tuple[int, ...] = (),
-    built: str | int | None = None,
+    built: str | Offset | None = None,
 ) -> Any:
     """Call transformers' forward once, with the call as aligned.  A bad id or position that no check read
     (single-token decode steps read nothing; on the CPU the lookup is the check) surfaces as the embedding's
@@ -390,7 +390,7 @@ def _built(cache: Any) -> str | None:
     return _remembered(_BUILT, _cache_key(cache))
 
 
-def _mark_built(output: Any, built: str | int | None) -> None:
+def _mark_built(output: Any, built: str | Offset | None) -> None:
     """Remember the positions the cache a rotary family's prompt returned is built with (``built``, see
     :attr:`~neofix._core.CacheView.built`: transformers' own where the prompt was given no ``position_ids``, else
     what its given ones were read to be; ``None``: not known), so that the steps after it are judged against those

@@ -9,7 +9,7 @@ import torch
 
 from neofix import CacheLengthError, PositionError
 from neofix._core import CacheView, Limits, Policy, Positions, StepInputs, align
-from neofix._core._types import BY_COLUMNS, BY_GIVEN, BY_MASK
+from neofix._core._types import BY_COLUMNS, BY_GIVEN, BY_MASK, Offset
 
 LIMITS = Limits(max_positions=None, vocab_size=96, hidden_size=32, heads=2, head_dim=8)
 ROTARY = Policy(positions=Positions.ROTARY)
@@ -184,7 +184,7 @@ def test_rotary_positions_after_a_cache_of_an_offset_continue_it(given, expected
     so (strict: the error)."""
     from ._sync import device_reads
 
-    cache = _cache(3)._replace(built=5)
+    cache = _cache(3)._replace(built=Offset(5, True))
     with device_reads(on_device):
         aligned = align(_step(torch.tensor(given)), cache, LIMITS, ROTARY)
     assert torch.broadcast_to(aligned.position_ids, (3, 1)).tolist() == expected
@@ -194,11 +194,40 @@ def test_rotary_positions_after_a_cache_of_an_offset_continue_it(given, expected
     strict = Policy(strict=True, positions=Positions.ROTARY)
     if torch.broadcast_to(torch.tensor(given), (3, 1)).tolist() != expected:
         with pytest.raises(PositionError, match=r"^position_ids\[(\d), 0\] is \d at the step after 3 cached tokens, "
-                           r"but the cache holds positions its prompt was given, the mask's plus the same number on "
-                           r"every real token, which put that real token of row \1 at position \d"):
+                           r"but the cache holds the positions its prompt was given, each real token's count of real "
+                           r"tokens before it plus the same number, which put that real token of row \1 at position "
+                           r"\d"):
             align(_step(torch.tensor(given)), cache, LIMITS, strict)
     else:
         assert align(_step(torch.tensor(given)), cache, LIMITS, strict).repairs == ()
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_after_an_offset_its_prompt_did_not_tell_either_scheme_plus_it_continues_the_cache(on_device):
+    """An offset read where the prompt had no pad before a real token (``told`` False: the mask's and the columns
+    agreed there) is continued by either scheme plus it, as a cache whose prompt told nothing is by either scheme:
+    on a row right-padded since, the columns plus 5 are kept, and so are the mask's plus 5; positions that do not
+    advance are repaired (where the prompt told the mask's, the columns plus 5 are repaired to them).  Without a mask
+    (every token real), the columns plus 5."""
+    from ._sync import device_reads
+
+    mask = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1]])  # (row 0: a pad fed after the prompt)
+    cache = _cache(3, 2)._replace(built=Offset(5, False))
+    with device_reads(on_device):
+        for given, expected in (([[8], [8]], [[8], [8]]), ([[7], [8]], [[7], [8]]), ([[6], [7]], [[7], [8]])):
+            aligned = align(_step(torch.tensor(given), mask, batch=2), cache, LIMITS, ROTARY)
+            assert torch.broadcast_to(aligned.position_ids, (2, 1)).tolist() == expected, given
+            repaired = aligned.repairs if aligned.report is None else aligned.report.wrong.any()
+            assert bool(repaired) == (given != expected), given  # (kept ones: nothing repaired, nothing said)
+        both_padded = torch.tensor([[1, 1, 0, 1], [1, 1, 0, 1]])  # (every row's mask position one below its column)
+        for built, expected in ((Offset(5, False), [[8], [8]]), (Offset(5, True), [[7], [7]])):
+            step = _step(torch.tensor([[8], [8]]), both_padded, batch=2)
+            aligned = align(step, cache._replace(built=built), LIMITS, ROTARY)
+            assert torch.broadcast_to(aligned.position_ids, (2, 1)).tolist() == expected, built
+        unmasked = align(_step(torch.tensor([[8], [8]]), None, batch=2), cache, LIMITS, ROTARY)
+        assert unmasked.position_ids.tolist() == [[8], [8]] and unmasked.repairs == ()
+        frozen = align(_step(torch.tensor([[7], [7]]), None, batch=2), cache, LIMITS, ROTARY)
+        assert torch.broadcast_to(frozen.position_ids, (2, 1)).tolist() == [[8], [8]]
 
 
 @pytest.mark.parametrize("new", [1, 2], ids=["decode step", "chunk"])
@@ -211,7 +240,7 @@ def test_no_positions_after_a_cache_of_an_offset_continue_it(new, on_device):
     for mask, expected in ((MASK, [[8, 9], [6, 7], [7, 8]]), (torch.ones(3, 4, dtype=torch.long), [[8, 9]] * 3)):
         mask = torch.cat([mask[:, :3], torch.ones(3, new, dtype=torch.long)], -1)
         with device_reads(on_device):
-            aligned = align(_step(None, mask, new), _cache(3)._replace(built=5), LIMITS, ROTARY)
+            aligned = align(_step(None, mask, new), _cache(3)._replace(built=Offset(5, True)), LIMITS, ROTARY)
         assert aligned.position_ids.tolist() == [row[:new] for row in expected]
         assert [repair.message for repair in aligned.repairs] == [""]  # (not said)
 
@@ -223,16 +252,17 @@ def test_no_positions_after_a_cache_of_an_offset_continue_it(new, on_device):
         ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [1, 0, 1]], BY_MASK),  # a pad's position is not judged
         ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2]], BY_COLUMNS),  # one row for all, an arange: the columns
         ([[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [5, 1, 2]], BY_COLUMNS),  # the columns (the pad's not judged)
-        ([[1, 1, 1], [0, 1, 1]], [[5, 6, 7], [0, 5, 6]], 5),  # the mask's plus 5 in every row: that offset
+        ([[1, 1, 1], [0, 1, 1]], [[5, 6, 7], [0, 5, 6]], Offset(5, True)),  # the mask's plus 5 in every row: told
         ([[1, 1, 1], [0, 1, 1]], [[5, 6, 7], [0, 6, 7]], BY_GIVEN),  # offsets that differ by row: the caller's own
         ([[1, 1, 1], [0, 1, 1]], [[5, 6, 8], [0, 5, 6]], BY_GIVEN),  # no one offset in a row: the caller's own
-        ([[1, 1, 1], [1, 1, 1]], [[1, 2, 3]], 1),  # every token real, positions from 1: the offset 1
+        ([[1, 1, 1], [1, 1, 1]], [[1, 2, 3]], Offset(1, False)),  # every token real, from 1: the offset 1, untold
+        ([[1, 1, 1], [1, 1, 0]], [[3, 4, 5], [3, 4, 0]], Offset(3, False)),  # right padding: the schemes agree, untold
         ([[1, 1, 1], [1, 1, 0]], [[0, 1, 2], [0, 1, 1]], None),  # no pad before a real token: the schemes agree
         ([[1, 0, 1], [1, 1, 1]], [[0, 1, 1], [0, 1, 2]], BY_MASK),  # a gap: the mask's differ from the columns there
         ([[1, 0, 1], [1, 1, 1]], [[0, 1, 2], [0, 1, 2]], BY_COLUMNS),  # the gap's real token at its column
         (None, [[0, 1, 2]], None),  # no mask, every token real: both schemes are the columns
         (None, [[1, 2, 3], [0, 1, 2]], BY_GIVEN),  # no mask, a row's positions from 1: the caller's own
-        (None, [[2, 3, 4]], 2),  # no mask, every row's from 2: the offset 2
+        (None, [[2, 3, 4]], Offset(2, False)),  # no mask, every row's from 2: the offset 2
     ],
 )
 @pytest.mark.parametrize("on_device", [False, True])

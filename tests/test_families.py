@@ -170,6 +170,24 @@ def test_positions_offset_from_the_masks_run_as_vanilla_on_a_rotary_family(lm, a
     assert messages == []
 
 
+def test_positions_offset_from_the_columns_without_a_mask_run_as_vanilla_on_a_rotary_family(lm, adapter):
+    """No attention mask at all, positions one past the columns at every step (consistent): vanilla decodes the
+    reference's tokens, and so does neofix, which reads the prompt's offset and continues it (it "repaired" them to
+    the columns once it read the offset: wrong tokens)."""
+    if not adapter.positions.rotary or not _takes_positions(lm):
+        pytest.skip(f"{type(lm).__name__}: positions are {adapter.positions.value} (only differences matter: rotary)")
+    ids, mask = left_padded_batch([6, 6, 6])
+    (tokens, messages), (plain, _) = patched_and_vanilla(
+        lambda: run(lambda: decode(lm, ids, mask, STEPS, positions="offset", pass_mask=False))
+    )
+    if isinstance(plain, Exception):  # (4.36 - 4.44: a rotary table as long as the sequence, indexed by them)
+        assert isinstance(tokens, Exception) or torch.equal(tokens, reference(lm, ids, mask)), tokens
+        return
+    assert torch.equal(tokens, plain)
+    assert torch.equal(tokens, reference(lm, ids, mask))
+    assert messages == []
+
+
 @pytest.mark.parametrize("positions", ["offset-prompt", "offset-frozen"])
 @pytest.mark.parametrize("lengths", [[6, 3, 5], [6, 6, 6]], ids=["left-padded", "unpadded"])
 def test_steps_after_a_prompt_given_an_offset_continue_it_on_a_rotary_family(lm, adapter, lengths, positions):
@@ -191,7 +209,7 @@ def test_steps_after_a_prompt_given_an_offset_continue_it_on_a_rotary_family(lm,
     assert isinstance(tokens, torch.Tensor), tokens
     assert torch.equal(tokens, reference(lm, ids, mask))
     if positions == "offset-frozen":
-        assert len(messages) == 1 and "the mask's plus the same number on every real token" in messages[0], messages
+        assert len(messages) == 1 and "count of real tokens before it plus the same number" in messages[0], messages
     else:
         assert messages == []
 

@@ -74,6 +74,15 @@ class Positions(enum.Enum):
         self.rotary = value == "rotary"
 
 
+class Offset(NamedTuple):
+    """A rotary cache built with positions off from a scheme's by one number (:attr:`CacheView.built`): ``by`` that
+    number; ``told``: its prompt had a pad before a real token, so the positions were the mask's plus ``by`` (else
+    the mask's and the columns agreed there, and either plus ``by`` continues the cache)."""
+
+    by: int
+    told: bool
+
+
 class CacheView(NamedTuple):
     """What a step's KV cache holds, read once per step from shapes alone (never a tensor's values).
 
@@ -95,10 +104,10 @@ class CacheView(NamedTuple):
     #: The positions its tokens were given, where its caller saw a rotary family's prompt build it: ``BY_COLUMNS``,
     #: transformers' own, each its column (left padding counted: the prompt was given none, or those); ``BY_MASK``, the
     #: mask's (the prompt was given them, and a row with a pad before a real token tells them from the columns);
-    #: an int ``d``, the mask's plus ``d`` on every real token of every row (the caller's offset, which the steps
-    #: continue); ``BY_GIVEN``, none of these (the caller's own, which only the caller can continue); ``None``: not
-    #: known (no prompt seen, or one whose positions agree with both schemes).
-    built: str | int | None = None
+    #: an :class:`Offset`, the mask's plus one number on every real token of every row (the caller's offset, which
+    #: the steps continue); ``BY_GIVEN``, none of these (the caller's own, which only the caller can continue);
+    #: ``None``: not known (no prompt seen, or one whose positions agree with both schemes).
+    built: str | Offset | None = None
 
 
 NO_CACHE = CacheView(0, None, None, None, None, None, "none")
@@ -159,7 +168,7 @@ class Policy(NamedTuple):
 #: shifted by the row's leading pads, where the cache holds transformers' own positions (a rotary prompt given none,
 #: its real tokens at their columns); or, with no mask, the count of tokens.  The first two also name the positions a
 #: rotary cache was built with (:attr:`CacheView.built`), beside a third: positions of neither scheme, the caller's own.
-#: ``BY_OFFSET``: the mask's plus a number (a cache built with them: ``built`` is that number).
+#: ``BY_OFFSET``: a scheme's plus a number (a cache built with them: ``built`` is an :class:`Offset`).
 BY_MASK, BY_COLUMNS, BY_COUNT, BY_GIVEN, BY_OFFSET = "mask", "columns", "count", "given", "offset"
 
 
@@ -196,7 +205,7 @@ class Aligned(NamedTuple):
     report: Report | None = None
     right_padded: tuple[int, ...] = ()
     #: A rotary prompt's given positions, where its values told them (see :attr:`CacheView.built`), else None.
-    built: str | int | None = None
+    built: str | Offset | None = None
 
     @property
     def repair_kinds(self) -> tuple[str, ...]:

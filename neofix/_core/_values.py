@@ -32,6 +32,7 @@ from ._types import (
     POSITIONS_COUNT_PADDING,
     POSITIONS_DERIVED,
     Limits,
+    Offset,
     Policy,
     Positions,
     Repair,
@@ -63,14 +64,14 @@ class ValueStep(NamedTuple):
     new: int
     past: int | None
     cache_position: Any
-    built: str | int | None = None
+    built: str | Offset | None = None
 
 
 class Settled(NamedTuple):
     positions: Any
     report: Report | None
     right_padded: tuple[int, ...]
-    built: str | int | None = None
+    built: str | Offset | None = None
 
 
 def settle(
@@ -113,7 +114,7 @@ def value_plan(
     trusted: bool,
     check_values: bool,
     strict: bool,
-    built: str | int | None = None,
+    built: str | Offset | None = None,
 ) -> tuple[bool, bool, bool, bool, bool]:
     """``(compare, derive, read, rotary, scheme)``: whether given positions are compared with the 2D mask's (``kind``
     looks them up in a table, and generate did not build them from the mask after a cache), whether missing ones are
@@ -124,7 +125,7 @@ def value_plan(
     generate's own, nor after a cache ``built`` with positions of neither scheme: the caller's own), and whether a rotary prompt's given positions are read for the scheme its cache is built with
     (:func:`built_by`)."""
     compare = given and kind.compared and not model_mask and (not trusted or past == 0)
-    derive = not given and mask_2d and (kind.derived or built == BY_MASK or type(built) is int)  # (int: an offset)
+    derive = not given and mask_2d and (kind.derived or built == BY_MASK or type(built) is Offset)
     decode = new == 1 and past != 0
     rotary = scheme = False
     if given and kind.rotary and not model_mask:
@@ -156,13 +157,13 @@ def read_values(
     return _reads.reader_for(question)(question)
 
 
-def positions_kept(facts: Facts, compare: bool, derive: bool, built: str | int | None = None) -> bool:
+def positions_kept(facts: Facts, compare: bool, derive: bool, built: str | Offset | None = None) -> bool:
     """Whether the facts leave the step's positions as they are: given ones that agree with the mask, or none to
     derive from a mask without left padding (every real token then sits at its column: transformers' own are right,
     unless the cache was ``built`` with the mask's offset)."""
     if compare and (facts.wrong or facts.counts_pads):
         return False
-    return not (derive and (facts.left or type(built) is int))  # (an int: the offset, see offset_of)
+    return not (derive and (facts.left or type(built) is Offset))
 
 
 def rows_to_mark(facts: Facts, past: int | None) -> tuple[int, ...]:
@@ -174,21 +175,27 @@ def built_by(facts: Facts, scheme: bool) -> str | None:
     """The positions a rotary prompt's cache is built with, where its values tell (``scheme``: the prompt's given
     positions were read): ``BY_MASK`` where every real token is at the mask's position and a row has a pad before a
     real token (there the mask's and the columns differ); ``BY_COLUMNS`` where every one is at its column and the mask's
-    differ; the offset ``d`` (an int) where every one is at the mask's plus the same ``d``; ``BY_GIVEN`` where they are
-    none of these (the caller's own scheme); else ``None`` (the two schemes agree on every real token: either
-    continues the cache)."""
+    differ; an :class:`~._types.Offset` where every one is at the mask's plus the same number (told from the columns
+    plus it where a row has a pad before a real token); ``BY_GIVEN`` where they are none of these (the caller's own
+    scheme); else ``None`` (the two schemes agree on every real token: either continues the cache)."""
     if not scheme:
         return None
     if not facts.wrong:
         return BY_MASK if facts.left else None
     if facts.columns:
         return BY_COLUMNS
-    return BY_GIVEN if facts.offset is None else facts.offset
+    return BY_GIVEN if facts.offset is None else Offset(facts.offset, facts.left)
 
 
-def offset_of(built: str | int | None) -> int:
-    """The number a cache's positions are off from the mask's: ``built`` where that is one (an int), else 0."""
-    return built if type(built) is int else 0
+def offset_of(built: str | Offset | None) -> int:
+    """The number a cache's positions are off from a scheme's: ``built``'s where that is an :class:`Offset`, else 0."""
+    return built.by if type(built) is Offset else 0
+
+
+def _columns_continue(built: str | Offset | None) -> bool:
+    """Whether the columns (plus the cache's offset) continue a cache ``built`` so: not where its prompt told the
+    mask's apart from them (``BY_MASK``, or an offset of the mask's it told)."""
+    return built is None or built == BY_COLUMNS or (type(built) is Offset and not built.told)
 
 
 def _empty(tensor: Any) -> bool:
@@ -196,7 +203,7 @@ def _empty(tensor: Any) -> bool:
 
 
 def rotary_truth(
-    positions: torch.Tensor, mask: Any, new: int, past: int, built: str | int | None
+    positions: torch.Tensor, mask: Any, new: int, past: int, built: str | Offset | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(target, wrong)`` for rotary positions given after a cache of ``past`` tokens (computed on the device).
 
@@ -215,22 +222,21 @@ def rotary_truth(
     wrong on a row with a pad before a real token; where it holds the mask's plus ``d`` (``built`` that int: its
     prompt was given them), ``target`` is those, and the columns are wrong.
     """
-    column = torch.arange(past, past + new, device=positions.device).unsqueeze(0)
+    offset = offset_of(built)
+    column = torch.arange(past + offset, past + offset + new, device=positions.device).unsqueeze(0)
     if positions.dim() == 1:  # one row for every row
         positions = positions.unsqueeze(0)
     if mask is None:
         return column, positions != column
     counted = mask.long().cumsum(-1)
-    derived = counted[:, -new:] - 1
+    derived = counted[:, -new:] - 1 + offset
     if built == BY_COLUMNS:
         derived = derived + (counted == 0).sum(-1, keepdim=True)  # (the row's leading pads)
-    elif offset_of(built):
-        derived = derived + offset_of(built)
     real = mask[:, -new:] != 0
     either = (~real | (positions == derived)).all()  # one scheme, every row: the mask's (shifted, after columns)
-    if built is None or built == BY_COLUMNS:
+    if _columns_continue(built):
         either = either | (~real | (positions == column)).all()  # or the columns
-    if built is not None:
+    if built is not None and (type(built) is not Offset or built.told):
         target = derived
     else:
         shared = (positions == positions[:1]).all() & (derived != derived[:1]).any()
@@ -261,7 +267,7 @@ def on_host(positions: Any, mask: Any) -> bool:
     return _reads.reader_for(Question(None, None, positions, False, False, mask, 0, None, None)) is _reads.read_on_host
 
 
-def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, built: str | int | None) -> bool:
+def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, built: str | Offset | None) -> bool:
     """:func:`rotary_truth`'s "right" on the host: every real token's given position is its column's (not after a
     cache ``built`` with the mask's, or offset from them), or every one's is the mask's (shifted by its row's leading
     pads after one built with the columns, by the offset after one built with that): list scans of the positions and
@@ -269,15 +275,16 @@ def _either_scheme(positions: torch.Tensor, mask: Any, new: int, past: int, buil
     given = positions.tolist()
     if positions.dim() == 1:
         given = [given]
-    column = list(range(past, past + new))
+    offset = offset_of(built)
+    column = list(range(past + offset, past + offset + new))
     if mask is None:
         return all(row == column for row in given)
     rows = mask.tolist()
     if len(given) == 1:
         given = given * len(rows)
-    as_columns, as_mask = built is None or built == BY_COLUMNS, True
+    as_columns, as_mask = _columns_continue(built), True
     for row, values in zip(rows, given):
-        before = sum(row[:-new]) + offset_of(built)  # (the cached tokens' real ones, and the cache's offset)
+        before = sum(row[:-new]) + offset  # (the cached tokens' real ones, and the cache's offset)
         if built == BY_COLUMNS and 1 in row:
             before += row.index(1)  # (the row's leading pads: its prompt's real tokens sit at their columns)
         for value, flag, at in zip(values, row[-new:], column):
@@ -434,7 +441,7 @@ def _positions_on_device(step: ValueStep, compare: bool, derive: bool) -> Any:
 def _derived(step: ValueStep) -> torch.Tensor:
     """Missing positions of a step: the mask's (:func:`mask_positions`), plus the offset its cache was built with."""
     positions = mask_positions(step.mask, step.new, step.past, step.cache_position)
-    return positions + step.built if type(step.built) is int else positions  # (an int: the offset, see offset_of)
+    return positions + step.built.by if type(step.built) is Offset else positions
 
 
 def derive_positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -510,10 +517,10 @@ def describe_wrong(
     return describe_position(row, column, value, expected, past, truth)
 
 
-def _truth(mask: Any, built: str | int | None = None) -> str:
-    if mask is None:
-        return BY_COUNT
-    return BY_COLUMNS if built == BY_COLUMNS else BY_OFFSET if offset_of(built) else BY_MASK
+def _truth(mask: Any, built: str | Offset | None = None) -> str:
+    if type(built) is Offset:
+        return BY_OFFSET
+    return BY_COUNT if mask is None else BY_COLUMNS if built == BY_COLUMNS else BY_MASK
 
 
 _CAUSE = "arange over a left-padded batch, or a loop that does not increment its positions?"
@@ -529,8 +536,9 @@ _WORDS = {  # truth -> (the words for where the token is, what was used, the lik
                  "not increment its positions?", _AFTER_OWN),
     BY_COUNT: ("with no attention mask every token is real, so that token is at position {expected}",
                "positions continuing after the cache", _CAUSE, _FIX_VALUES),
-    BY_OFFSET: ("the cache holds positions its prompt was given, the mask's plus the same number on every real token, "
-                "which put that real token of row {row} at position {expected}", "those, continued",
+    BY_OFFSET: ("the cache holds the positions its prompt was given, each real token's count of real tokens before it "
+                "plus the same number, which put that real token of row {row} at position {expected}",
+                "those, continued",
                 "a loop that does not increment its positions, or drops the offset?",
                 "after a prompt given the mask's positions plus a number, pass the same number added at every step, "
                 "or pass none and neofix continues them"),

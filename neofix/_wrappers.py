@@ -49,7 +49,7 @@ from ._core import (
     explain_index_error,
     keeps_every_rule,
 )
-from ._core._types import BY_COLUMNS
+from ._core._types import BY_COLUMNS, Offset
 from ._errors import (
     AttentionWindowError,
     InputShapeError,
@@ -380,12 +380,12 @@ def _mark_right_padded(output: Any, rows: tuple[int, ...]) -> None:
 # -- which positions a rotary family's cache holds ---------------------------------------------------------------------
 
 # id(cache, or for a legacy cache its first key) -> (weak reference to it, the positions a rotary family's prompt
-# built it with: BY_COLUMNS, BY_MASK or BY_GIVEN, see :func:`_mark_built`), for the caches such a prompt returned and
-# those continued from them
-_BUILT: dict[int, tuple[Any, str]] = {}
+# built it with: BY_COLUMNS, BY_MASK, an Offset or BY_GIVEN, see :func:`_mark_built`), for the caches such a prompt
+# returned and those continued from them
+_BUILT: dict[int, tuple[Any, str | Offset]] = {}
 
 
-def _built(cache: Any) -> str | None:
+def _built(cache: Any) -> str | Offset | None:
     """The positions ``cache`` was built with, where its prompt told (:attr:`~neofix._core.CacheView.built`)."""
     return _remembered(_BUILT, _cache_key(cache))
 

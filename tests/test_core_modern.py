@@ -117,33 +117,50 @@ def test_on_the_host_a_left_padded_row_after_a_cache_of_transformers_own_is_judg
     assert aligned.position_ids.tolist() == [[3]]
 
 
+#: What a cache built with the mask's positions, or with them plus 5, puts the new token at, and the words that say so.
+_CONTINUED = {
+    BY_MASK: ([[3], [1], [2]], "the attention mask puts that real token of row \\1 at position \\d"),
+    Offset(5, True): (
+        [[8], [6], [7]],
+        "the cache holds the positions its prompt was given, each real token's count of real tokens before it plus "
+        "the same number, which put that real token of row \\1 at position \\d",
+    ),
+}
+
+
 @pytest.mark.parametrize(
-    "given, expected",
+    "built, given",
     [
-        ([[3], [1], [2]], [[3], [1], [2]]),  # the mask's: kept
-        ([[3], [3], [3]], [[3], [1], [2]]),  # the columns, which this cache does not hold: the mask's
-        ([[3]], [[3], [1], [2]]),  # one row for all (an arange after the cache): the mask's
-        ([[2], [0], [1]], [[3], [1], [2]]),  # not advanced: the mask's
+        (BY_MASK, [[3], [1], [2]]),  # the mask's: kept
+        (BY_MASK, [[3], [3], [3]]),  # the columns, which this cache does not hold: the mask's
+        (BY_MASK, [[3]]),  # one row for all (an arange after the cache): the mask's
+        (BY_MASK, [[2], [0], [1]]),  # not advanced: the mask's
+        (Offset(5, True), [[8], [6], [7]]),  # the mask's plus 5: kept
+        (Offset(5, True), [[7], [5], [6]]),  # not advanced: the mask's plus 5
+        (Offset(5, True), [[3], [1], [2]]),  # the mask's, the offset dropped: the mask's plus 5
+        (Offset(5, True), [[3], [3], [3]]),  # the columns: the mask's plus 5
+        (Offset(5, True), [[8]]),  # one row for all: the mask's plus 5
     ],
 )
 @pytest.mark.parametrize("on_device", [False, True])
-def test_rotary_positions_after_a_cache_of_the_masks_continue_the_masks(given, expected, on_device):
-    """A cache whose prompt was given the mask's positions (on left-padded rows, where the schemes differ) holds those:
-    only the mask's continue it, so the columns, right after a cache built with them, are repaired to the mask's on
-    left-padded rows, in the mask's words (strict: the error)."""
+def test_rotary_positions_after_a_cache_of_the_masks_continue_the_masks(built, given, on_device):
+    """A cache whose prompt was given the mask's positions (on left-padded rows, where the schemes differ), or the
+    mask's plus 5 on every real token, holds those: only they continue it, so the columns, or positions that do not
+    advance or drop the offset, are repaired to them, in words that say which (strict: the error)."""
     from ._sync import device_reads
 
-    cache = _cache(3)._replace(built=BY_MASK)
+    expected, words = _CONTINUED[built]
+    cache = _cache(3)._replace(built=built)
     with device_reads(on_device):
         aligned = align(_step(torch.tensor(given)), cache, LIMITS, ROTARY)
     assert torch.broadcast_to(aligned.position_ids, (3, 1)).tolist() == expected
     if on_device:
-        assert aligned.report.truth == "mask"
-        assert aligned.report.derived.tolist() == [[3], [1], [2]]
+        assert aligned.report.truth == ("mask" if built == BY_MASK else "offset")
+        assert aligned.report.derived.tolist() == expected
     strict = Policy(strict=True, positions=Positions.ROTARY)
     if torch.broadcast_to(torch.tensor(given), (3, 1)).tolist() != expected:
         with pytest.raises(PositionError, match=r"^position_ids\[(\d), 0\] is \d at the step after 3 cached tokens, "
-                           r"but the attention mask puts that real token of row \1 at position \d"):
+                           r"but " + words):
             align(_step(torch.tensor(given)), cache, LIMITS, strict)
     else:
         assert align(_step(torch.tensor(given)), cache, LIMITS, strict).repairs == ()
@@ -165,41 +182,6 @@ def test_no_positions_after_a_cache_of_the_masks_are_the_masks(new, on_device):
         for built in (None, BY_COLUMNS):
             unknown = align(_step(None, mask, new), _cache(3)._replace(built=built), LIMITS, ROTARY)
             assert unknown is None or unknown.position_ids is None
-
-
-@pytest.mark.parametrize(
-    "given, expected",
-    [
-        ([[8], [6], [7]], [[8], [6], [7]]),  # the mask's plus 5: kept
-        ([[7], [5], [6]], [[8], [6], [7]]),  # not advanced: the mask's plus 5
-        ([[3], [1], [2]], [[8], [6], [7]]),  # the mask's, the offset dropped: the mask's plus 5
-        ([[3], [3], [3]], [[8], [6], [7]]),  # the columns: the mask's plus 5
-        ([[8]], [[8], [6], [7]]),  # one row for all: the mask's plus 5
-    ],
-)
-@pytest.mark.parametrize("on_device", [False, True])
-def test_rotary_positions_after_a_cache_of_an_offset_continue_it(given, expected, on_device):
-    """A cache whose prompt was given the mask's positions plus 5 on every real token (``built`` 5) holds those: only
-    they continue it, so positions that do not advance, or drop the offset, are repaired to them, in words that say
-    so (strict: the error)."""
-    from ._sync import device_reads
-
-    cache = _cache(3)._replace(built=Offset(5, True))
-    with device_reads(on_device):
-        aligned = align(_step(torch.tensor(given)), cache, LIMITS, ROTARY)
-    assert torch.broadcast_to(aligned.position_ids, (3, 1)).tolist() == expected
-    if on_device:
-        assert aligned.report.truth == "offset"
-        assert aligned.report.derived.tolist() == [[8], [6], [7]]
-    strict = Policy(strict=True, positions=Positions.ROTARY)
-    if torch.broadcast_to(torch.tensor(given), (3, 1)).tolist() != expected:
-        with pytest.raises(PositionError, match=r"^position_ids\[(\d), 0\] is \d at the step after 3 cached tokens, "
-                           r"but the cache holds the positions its prompt was given, each real token's count of real "
-                           r"tokens before it plus the same number, which put that real token of row \1 at position "
-                           r"\d"):
-            align(_step(torch.tensor(given)), cache, LIMITS, strict)
-    else:
-        assert align(_step(torch.tensor(given)), cache, LIMITS, strict).repairs == ()
 
 
 @pytest.mark.parametrize("on_device", [False, True])

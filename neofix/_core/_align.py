@@ -90,7 +90,7 @@ def align(
     total, past_the_table = check_cache(cache, batch, new, limits)
     strict = policy.strict
     repairs: list[Repair] = []
-    passed, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, strict, repairs, policy)
+    passed, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, repairs, policy)
     mask = passed
     if mask_2d and total is not None and mask.shape[-1] > total:  # a static cache's slots (_read_by_slot): its
         mask = mask[:, :total]  # first columns are the tokens so far (the slots past them are empty)
@@ -310,12 +310,11 @@ def align_mask(
     new: int,
     cache: CacheView,
     total: int | None,
-    strict: bool,
     repairs: list[Repair],
-    policy: Policy = Policy(),
+    policy: Policy,
 ) -> tuple[Any, bool]:
-    """The mask to use (a 2D mask extended where it was not), and whether it is a 2D padding mask (``policy``: whether
-    a static cache's may be widened to its slots, see :func:`_extended_to_the_slots`).
+    """The mask to use (a 2D mask extended where it was not), and whether it is a 2D padding mask (``policy``: strict
+    mode, and whether a static cache's may be widened to its slots, see :func:`_extended_to_the_slots`).
 
     A 3D or 4D mask is the model's own attention mask (transformers builds one for static caches): one row per new
     token, and one column per cached plus new token, or per slot of a static cache.
@@ -333,7 +332,7 @@ def align_mask(
             return mask, True  # read by slot, as transformers reads it, and passed on as given (see align)
         if total is None and _extended_to_the_slots(mask.shape[1], new, cache, policy):
             return torch.cat([mask, mask.new_ones((batch, cache.capacity - mask.shape[1]))], dim=-1), True
-        return _align_padding_mask(mask, batch, new, cache.length, total, strict, repairs), True
+        return _align_padding_mask(mask, batch, new, cache.length, total, policy.strict, repairs), True
     if dims in (3, 4):
         _check_model_mask(mask, dims, batch, new, cache, total)
         return mask, False

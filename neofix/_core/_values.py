@@ -119,11 +119,10 @@ def value_plan(
     """``(compare, derive, read, rotary, scheme)``: whether given positions are compared with the 2D mask's (``kind``
     looks them up in a table, and generate did not build them from the mask after a cache), whether missing ones are
     derived from it (``kind`` derives none itself, or the cache was ``built`` with the mask's, or offset from them: see
-    :func:`offset_of`), whether the step reads
-    its values (every step but a single-token decode step, unless ``check_values`` asks, or strict mode must judge
+    :func:`offset_of`), whether the step reads its values (every step but a single-token decode step, unless ``check_values`` asks, or strict mode must judge
     given positions at once), whether given rotary positions after a cache are judged by :func:`rotary_truth` (not
-    generate's own, nor after a cache ``built`` with positions of neither scheme: the caller's own), and whether a rotary prompt's given positions are read for the scheme its cache is built with
-    (:func:`built_by`)."""
+    generate's own, nor after a cache ``built`` with positions of no scheme: the caller's own), and whether a rotary
+    prompt's given positions are read for the scheme its cache is built with (:func:`built_by`)."""
     compare = given and kind.compared and not model_mask and (not trusted or past == 0)
     derive = not given and mask_2d and (kind.derived or built == BY_MASK or type(built) is Offset)
     decode = new == 1 and past != 0
@@ -171,7 +170,7 @@ def rows_to_mark(facts: Facts, past: int | None) -> tuple[int, ...]:
     return facts.right_padded if past == 0 else ()
 
 
-def built_by(facts: Facts, scheme: bool) -> str | None:
+def built_by(facts: Facts, scheme: bool) -> str | Offset | None:
     """The positions a rotary prompt's cache is built with, where its values tell (``scheme``: the prompt's given
     positions were read): ``BY_MASK`` where every real token is at the mask's position and a row has a pad before a
     real token (there the mask's and the columns differ); ``BY_COLUMNS`` where every one is at its column and the mask's
@@ -219,8 +218,9 @@ def rotary_truth(
     ``target`` is that, which is the column on a left-padded row and the mask's on a row without leading pads (right
     padding, or a pad fed after the prompt), and the mask's own positions are wrong on a left-padded row.  Where it is
     known to hold the mask's (``BY_MASK``: its prompt was given them), ``target`` is the mask's, and the columns are
-    wrong on a row with a pad before a real token; where it holds the mask's plus ``d`` (``built`` that int: its
-    prompt was given them), ``target`` is those, and the columns are wrong.
+    wrong on a row with a pad before a real token; where it holds a scheme's plus ``d`` (``built`` an
+    :class:`~._types.Offset`: its prompt was given them), both are shifted by ``d``, and where the prompt told the
+    mask's (``told``) only the mask's plus ``d`` are right, as after ``BY_MASK``.
     """
     offset = offset_of(built)
     column = torch.arange(past + offset, past + offset + new, device=positions.device).unsqueeze(0)

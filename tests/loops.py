@@ -54,6 +54,7 @@ def decode(
     cache_format="native",
     chunks=(),
     pass_mask=True,
+    cache_position="none",
 ):
     """Greedy decoding by hand with a KV cache; returns the ``steps`` generated tokens, shape (batch, steps).
 
@@ -68,6 +69,8 @@ def decode(
                 classic batched-generation bug).
     cache_format "native" (what the model returned) | "legacy" (tuples) | "object" (a DynamicCache).
     chunks      split points: the prompt is fed in pieces with the cache (chunked prefill).
+    cache_position "none" | "frozen" (the prompt's slots, then the prompt's last slot again at every step: a loop that
+                forgets to advance it; for the releases whose models take it, 4.36 - 4.57).
     """
     keyword = cache_keyword(model)
     takes_positions = _takes_positions(model)
@@ -112,6 +115,9 @@ def decode(
             kwargs["position_ids"] = prompt_positions if step < len(feeds) else prompt_positions[:, -1:]
         elif positions == "arange":
             kwargs["position_ids"] = torch.arange(fed - new.shape[1], fed)[None]
+        if cache_position == "frozen":
+            last = torch.tensor([ids.shape[1] - 1])
+            kwargs["cache_position"] = torch.arange(fed - new.shape[1], fed) if step < len(feeds) else last
         if cache is not None:
             if cache_format == "legacy":
                 cache = legacy(cache)

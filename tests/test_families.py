@@ -16,6 +16,7 @@ the position table is an error (it is not where the model extrapolates: GPT-NeoX
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import os
 import warnings
@@ -293,6 +294,31 @@ def test_stale_positions(lm, adapter):
         assert isinstance(tokens, torch.Tensor), tokens
         assert torch.equal(tokens, reference(lm, ids, mask))
         assert any("derived them from the attention mask instead" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("lengths", [[6], [6, 3]], ids=["one row", "left-padded"])
+def test_a_cache_position_that_does_not_advance_is_repaired(lm, lm32, lengths):
+    """A hand loop that passes the prompt's last slot as ``cache_position`` at every step (it forgets to advance it).
+    The releases whose models take it (4.36 - 4.57) build the causal mask from it, and without positions the positions
+    too, so vanilla's tokens are wrong; neofix replaces it with the new tokens' slots, said once, and the tokens are
+    the reference's, on a row without padding (the usual step, which the cheap pass would let through) as well.
+    Strict mode refuses it.  Where vanilla's tokens are right all the same (Phi3's head on 4.45 takes it but does not
+    pass it on; OPT's one-row sdpa step on 4.57 ignores it), the tokens alone are compared."""
+    if "cache_position" not in inspect.signature(type(lm).forward).parameters:
+        pytest.skip(f"{type(lm).__name__} takes no cache_position on transformers {transformers.__version__}")
+    ids, mask = left_padded_batch(lengths)
+    tokens, messages = run(lambda: decode(lm, ids, mask, STEPS, cache_position="frozen"))
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, reference(lm, ids, mask))
+    with neofix.unpatched():
+        plain, _ = run(lambda: decode(lm32, ids, mask, STEPS, cache_position="frozen"))
+    if torch.equal(plain, reference(lm32, ids, mask)):
+        return
+    assert any(m.startswith(f"neofix: cache_position is [{ids.shape[1] - 1}] at a step after") for m in messages), messages
+    neofix.configure(mode="strict")
+    refused, _ = run(lambda: decode(lm, ids, mask, STEPS, cache_position="frozen"))
+    assert isinstance(refused, neofix.PositionError), refused
+    assert str(refused).startswith(f"cache_position is [{ids.shape[1] - 1}] at a step after {ids.shape[1]} cached"), refused
 
 
 @pytest.mark.parametrize("mask_mode", ["synced", "stale"])

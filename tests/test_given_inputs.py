@@ -239,9 +239,11 @@ def test_the_smallest_and_largest_valid_values_are_accepted_where_values_are_rea
     assert len(reads.by_neofix) == len(usual.by_neofix), (reads.by_neofix, usual.by_neofix)
 
 
-def test_a_cache_position_of_another_length_is_left_out_and_said(model32):
-    """``cache_position`` of the cached plus new tokens at a decode step (transformers' own is the new tokens' slots):
-    left out, so that the model computes it from the cache, and said; strict mode refuses it."""
+@pytest.mark.parametrize("past", [5, 0], ids=["decode step", "prompt"])
+def test_a_cache_position_of_another_length_is_left_out_and_said(model32, past):
+    """``cache_position`` of the cached plus new tokens at a decode step (transformers' own is the new tokens' slots),
+    or of one token more than a prompt feeds: left out, so that the model computes it from the cache, and said;
+    strict mode refuses it."""
     import inspect
 
     if "cache_position" not in inspect.signature(type(model32.transformer).forward).parameters:
@@ -249,18 +251,22 @@ def test_a_cache_position_of_another_length_is_left_out_and_said(model32):
     ids = ids_of(2, 5)
     mask = torch.ones(2, 6, dtype=torch.long)
     keyword = cache_keyword(model32)
-    step = {"input_ids": ids_of(2, 1, seed=5), "attention_mask": mask}
-    given, words, record = run(model32, **step, cache_position=torch.arange(6), **{keyword: cached(model32, ids, mask[:, :5])})
-    alone, _, _ = run(model32, **step, **{keyword: cached(model32, ids, mask[:, :5])})
+    new = 1 if past else 5
+    step = {"input_ids": ids_of(2, new, seed=5), "attention_mask": mask[:, : past + new]}
+
+    def cache():
+        return {keyword: cached(model32, ids, mask[:, :past])} if past else {}
+
+    given, words, record = run(model32, **step, cache_position=torch.arange(6), **cache())
+    alone, _, _ = run(model32, **step, **cache())
     assert torch.equal(given, alone)
-    assert words == [
-        "neofix: cache_position has 6 entries, but this step feeds 1 new token; left it out. Reported once."
-    ]
+    fed = "1 new token" if past else "5 new tokens"
+    assert words == [f"neofix: cache_position has 6 entries, but this step feeds {fed}; left it out. Reported once."]
     assert "cache_position_dropped" in record.repairs
     neofix.configure(mode="strict")
-    with pytest.raises(neofix.PositionError, match=r"cache_position has 6 entries, but this step feeds 1 new token: "
+    with pytest.raises(neofix.PositionError, match=rf"cache_position has 6 entries, but this step feeds {fed}: "
                                                    r"pass cache_position for the new tokens only, or leave it out"):
-        forward(model32, **step, cache_position=torch.arange(6), **{keyword: cached(model32, ids, mask[:, :5])})
+        forward(model32, **step, cache_position=torch.arange(6), **cache())
 
 
 @pytest.mark.parametrize("with_mask", [True, False])

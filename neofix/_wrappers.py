@@ -45,6 +45,7 @@ from ._core import (
     Policy,
     StepInputs,
     align,
+    align_padding_mask,
     derive_positions,
     explain_index_error,
     keeps_every_rule,
@@ -499,6 +500,36 @@ def make_prepare_inputs_for_generation(original: Any, _adapter: Any) -> Callable
     return _mark(prepare_inputs_for_generation)
 
 
+def _mask_for_generate(input_ids: Any, kwargs: dict) -> None:
+    """From 5.3, generate given a cache reads ``input_ids`` as the whole sequence (and feeds the tokens after the
+    cache) only where the 2D attention mask is exactly as wide; otherwise as the new tokens alone, fed after the cache,
+    and it builds their positions from that mask (dropping an all-ones one before the model sees it).  So a mask not
+    extended for the new tokens is judged here, before generate reads it, by the model forward's own rule (extended,
+    said once; refused where its readings differ; strict: refused).  Where ``input_ids`` outnumber the cached tokens
+    and the mask is as wide as neither reading asks, which tokens are new cannot be told: refused."""
+    mask = kwargs.get("attention_mask")
+    cache = _caches.of_call(kwargs)[1]
+    if input_ids is None or cache is None or mask is None or mask.dim() != 2 or input_ids.dim() != 2:
+        return
+    (batch, fed), columns = input_ids.shape, mask.shape[1]
+    if columns == fed or mask.shape[0] != batch:  # the usual call: the whole sequence (its cache not read)
+        return
+    past = _caches.length(cache)
+    if not past or columns == past + fed:
+        return
+    if fed > past:
+        raise MaskLengthError(
+            f"generate was given {counted(fed, 'token')} of input_ids, a cache of {counted(past, 'token')} and an "
+            f"attention_mask of {counted(columns, 'column')}: as the whole sequence (the cache its first {past}), "
+            f"the mask must have {fed} columns; as the new tokens alone, {past + fed} (transformers feeds them after "
+            f"the cache, as it does with any mask not as wide as input_ids). Which tokens are new cannot be told: "
+            f"pass the mask of the whole sequence, as wide as input_ids (torch.cat([previous_mask, new_mask], -1))"
+        )
+    repairs: list[Any] = []
+    kwargs["attention_mask"] = align_padding_mask(mask, batch, fed, past, past + fed, settings.strict, repairs)
+    _reports.warn_repairs(repairs)
+
+
 def _uncached_inputs(inputs: Any, args: tuple, kwargs: dict) -> Any:
     full = args[0] if args else kwargs.get("input_ids")
     fed = inputs.get("input_ids") if isinstance(inputs, dict) else None
@@ -551,6 +582,8 @@ def make_generate(original: Any, _adapter: Any) -> Callable[..., Any]:
     against max_length, arguments against generation_config), and the stopping-criteria wrapper reads the result.
     """
 
+    reads_new_tokens_by_mask = _compat.release() >= (5, 3)  # see _mask_for_generate
+
     @functools.wraps(original)
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
         given = _CALLER_POSITIONS.set(kwargs.get("position_ids") is not None)
@@ -569,6 +602,8 @@ def make_generate(original: Any, _adapter: Any) -> Callable[..., Any]:
                 "Start from the tokenizer's bos_token_id (input_ids=torch.tensor([[tokenizer.bos_token_id]])), or "
                 "pass no input_ids and let generate start from config.bos_token_id"
             )
+        if reads_new_tokens_by_mask:
+            _mask_for_generate(args[0] if args else kwargs.get("input_ids"), kwargs)
         token = _GENERATING.set((self, length, kwargs.get("attention_mask")))
         try:
             return original(self, *args, **kwargs)

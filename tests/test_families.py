@@ -572,6 +572,39 @@ def both(model, call):
     return patched_and_vanilla(lambda: call(model))
 
 
+@requires("Cache objects")
+@pytest.mark.parametrize("lengths", [[6], [6, 3]], ids=["one row", "left-padded"])
+@pytest.mark.parametrize("given", ["whole mask", "first turn's mask"])
+def test_a_second_turn_continues_the_first_turns_cache(lm32, lengths, given, monkeypatch):
+    """Turn 2 of a chat: ``generate`` given turn 1's sequences plus three new tokens and turn 1's cache.  With the
+    mask of the whole sequence, the reference's tokens.  Given turn 1's mask instead (not extended: the classic bug,
+    a turn later), up to 5.2 generate feeds the tokens after the cache and builds their positions from that mask;
+    neofix extends the mask and derives the positions from it (generate's, left as they were, would be wrong on every
+    family), so the tokens are the reference's.  From 5.3 generate reads ``input_ids`` as the new tokens alone where
+    the mask is not as wide as them, and feeds all of them after the cache: which tokens are new cannot be told, and
+    neofix refuses the call, naming the lengths."""
+    ids, mask = left_padded_batch(lengths)
+    user = torch.randint(3, 90, (len(lengths), 3), generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(lm32.generation_config, "eos_token_id", None)  # every row runs STEPS tokens, as the reference
+    greedy = dict(do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = generate(lm32, ids, mask, return_dict_in_generate=True, **greedy)
+    sequences = torch.cat([first.sequences, user], -1)
+    whole = torch.cat([mask, mask.new_ones(len(lengths), sequences.shape[1] - mask.shape[1])], -1)
+    cache = {cache_keyword(lm32): output_cache(first)}
+    second, messages = run(lambda: generate(lm32, sequences, whole if given == "whole mask" else mask, **greedy, **cache))
+    if given == "first turn's mask" and TF_RELEASE >= (5, 3):
+        assert isinstance(second, neofix.MaskLengthError), second
+        assert str(second).startswith(
+            f"generate was given {sequences.shape[1]} tokens of input_ids, a cache of {sequences.shape[1] - 4} tokens "
+            f"and an attention_mask of {mask.shape[1]} columns: as the whole sequence"
+        ), second
+        return
+    assert isinstance(second, torch.Tensor), second
+    assert torch.equal(second[:, sequences.shape[1]:], reference(lm32, sequences, whole)), messages
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -208,6 +208,40 @@ def test_continue_from_a_returned_cache(model, batch, uncached):
         assert_vanilla(name, run, wrong=lambda plain: not torch.equal(plain, expected))
 
 
+@pytest.mark.skipif(not _compat.release() >= (5, 3), reason="from 5.3 generate reads input_ids by the mask's width")
+@pytest.mark.parametrize("fed, columns", [(4, 6), (6, 8), (7, 6)])
+def test_generate_given_no_more_input_ids_than_the_cache_holds_reads_them_as_the_new_tokens(model, fed, columns):
+    """From 5.3, ``input_ids`` no longer than a 6-token cache cannot be the whole sequence (no token would be new):
+    with a mask not extended for all of them (the cache's own, or two columns more, all ones: every reading agrees)
+    they are the new tokens, the mask is extended, and the tokens are the reference's.  One token more than the cache
+    and they may be the whole sequence: refused (tests/test_families.py has the same for a second turn)."""
+    ids = torch.randint(1, 90, (1, 6 + fed), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    cache = _prefix_cache(model, ids[:, :6], mask[:, :6])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            tokens = generate(model, ids[:, 6:], mask[:, :columns], do_sample=False, **{cache_keyword(): cache})
+        except neofix.MaskLengthError as exc:
+            tokens = exc
+    if fed <= 6:
+        assert isinstance(tokens, torch.Tensor), tokens
+        assert torch.equal(tokens[:, -NEW:], reference_greedy(model, ids, mask, NEW)[:, -NEW:])
+        said = [str(w.message) for w in caught if issubclass(w.category, neofix.NeofixWarning)]
+        assert said == [
+            f"neofix: attention_mask has {columns} columns, but the cache holds 6 tokens and this step feeds {fed}: "
+            f"expected {6 + fed}; extended it with ones on the right (the classic 'mask not extended' decoding bug). "
+            f"To fix your loop: append a column of ones per new token "
+            f"(torch.cat([mask, mask.new_ones(batch, new_tokens)], -1)). Reported once."
+        ]
+        neofix.configure(mode="strict")
+        with pytest.raises(neofix.MaskLengthError, match="The mask was not extended for the new tokens"):
+            generate(model, ids[:, 6:], mask[:, :columns], do_sample=False, **{cache_keyword(): _prefix_cache(model, ids[:, :6], mask[:, :6])})
+    else:
+        assert isinstance(tokens, neofix.MaskLengthError), tokens
+        assert "generate was given 7 tokens of input_ids, a cache of 6 tokens and an attention_mask of 6 columns" in str(tokens)
+
+
 @requires("Cache objects")
 def test_continue_from_generate_output_cache(model, batch):
     """The cache returned by generate(return_dict_in_generate=True) continues the same sequences."""

@@ -6,6 +6,7 @@ repairs made, as data) or raises a :class:`~neofix.NeofixError`.  Nothing here k
 model family.
 """
 
+from ._align import _align_padding_mask as align_padding_mask
 from ._align import align, keeps_every_rule, raise_cache_length_error
 from ._types import NO_CACHE, Aligned, CacheView, Limits, Policy, Positions, Repair, Report, StepInputs
 from ._values import derive_positions, explain_index_error
@@ -21,6 +22,7 @@ __all__ = [
     "Report",
     "StepInputs",
     "align",
+    "align_padding_mask",
     "derive_positions",
     "explain_index_error",
     "keeps_every_rule",

@@ -91,6 +91,8 @@ def align(
     strict = policy.strict
     repairs: list[Repair] = []
     passed, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, repairs, policy)
+    if policy.trusted_positions and any(kind in (MASK_EXTENDED, MASK_SLICED) for kind, _ in repairs):
+        policy = policy._replace(trusted_positions=False)  # generate built them from the mask it gave, not this one
     mask = passed
     if mask_2d and total is not None and mask.shape[-1] > total:  # a static cache's slots (_read_by_slot): its
         mask = mask[:, :total]  # first columns are the tokens so far (the slots past them are empty)

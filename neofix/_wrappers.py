@@ -387,8 +387,15 @@ _BUILT: dict[int, tuple[Any, str | Offset]] = {}
 
 
 def _built(cache: Any) -> str | Offset | None:
-    """The positions ``cache`` was built with, where its prompt told (:attr:`~neofix._core.CacheView.built`)."""
-    return _remembered(_BUILT, _cache_key(cache))
+    """The positions ``cache`` was built with, where its prompt told (:attr:`~neofix._core.CacheView.built`); a cache
+    object of 4.36 - 4.55 also by its first key tensor (generate turns a legacy tuple given it into one that holds the
+    tuple's own tensors)."""
+    built = _remembered(_BUILT, _cache_key(cache))
+    if built is None:
+        keys = getattr(cache, "key_cache", None)
+        if type(keys) is list and keys:
+            return _remembered(_BUILT, keys[0])
+    return built
 
 
 def _mark_built(output: Any, built: str | Offset | None) -> None:

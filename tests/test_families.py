@@ -605,6 +605,26 @@ def test_a_second_turn_continues_the_first_turns_cache(lm32, lengths, given, mon
     assert torch.equal(second[:, sequences.shape[1]:], reference(lm32, sequences, whole)), messages
 
 
+@requires("Cache objects")
+def test_generate_continuing_a_prefix_run_without_positions_gives_the_reference(lm32, monkeypatch):
+    """A left-padded prefix run by hand without positions (a rotary family's cache then holds transformers' own, the
+    columns), then ``generate`` given the prefix plus three tokens and that cache: generate gives the new tokens the
+    mask's positions, which do not continue such a cache (vanilla's tokens are wrong on the padded rows); neofix
+    repairs them to the columns, as it does a hand loop's, and the tokens are the reference's on every family."""
+    monkeypatch.setattr(lm32.generation_config, "eos_token_id", None)  # every row runs STEPS tokens, as the reference
+    ids, mask = left_padded_batch([6, 4, 2])
+    whole = torch.cat([ids, torch.randint(3, 90, (3, 3), generator=torch.Generator().manual_seed(2))], -1)
+    whole_mask = torch.cat([mask, mask.new_ones(3, 3)], -1)
+
+    def call():
+        prefix = lm32(input_ids=ids, attention_mask=mask, use_cache=True)
+        return generate(lm32, whole, whole_mask, do_sample=False, **{cache_keyword(lm32): output_cache(prefix)})
+
+    tokens, _ = run(call)
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens[:, whole.shape[1]:], reference(lm32, whole, whole_mask))
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

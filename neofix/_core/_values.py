@@ -121,14 +121,15 @@ def value_plan(
     derived from it (``kind`` derives none itself, or the cache was ``built`` with the mask's, or offset from them: see
     :func:`offset_of`), whether the step reads its values (every step but a single-token decode step, unless ``check_values`` asks, or strict mode must judge
     given positions at once), whether given rotary positions after a cache are judged by :func:`rotary_truth` (not
-    generate's own, nor after a cache ``built`` with positions of no scheme: the caller's own), and whether a rotary
+    after a cache ``built`` with positions of no scheme: the caller's own; nor generate's own, the mask's, unless the
+    cache was ``built`` with other ones: the columns, or an offset), and whether a rotary
     prompt's given positions are read for the scheme its cache is built with (:func:`built_by`)."""
     compare = given and kind.compared and not model_mask and (not trusted or past == 0)
     derive = not given and mask_2d and (kind.derived or built == BY_MASK or type(built) is Offset)
     decode = new == 1 and past != 0
     rotary = scheme = False
     if given and kind.rotary and not model_mask:
-        rotary = bool(past) and not trusted and built != BY_GIVEN
+        rotary = bool(past) and built != BY_GIVEN and (not trusted or not (built is None or built == BY_MASK))
         scheme = past == 0
     return compare, derive, not decode or check_values or (compare and strict), rotary, scheme
 

@@ -36,7 +36,7 @@ from neofix.testing import (
     tiny_model,
 )
 
-from ._sync import HostReads, simulated_accelerator
+from ._sync import HostReads, read_values_on, simulated_accelerator
 from ._versions import TF_RELEASE, cache_keyword, legacy, output_cache, requires
 from .loops import decode, left_padded_batch, patched_and_vanilla
 
@@ -213,6 +213,28 @@ def test_steps_after_a_prompt_given_an_offset_continue_it_on_a_rotary_family(lm,
         assert len(messages) == 1 and "count of real tokens before it plus the same number" in messages[0], messages
     else:
         assert messages == []
+
+
+@pytest.mark.parametrize("reader", ["host", "device"])
+@pytest.mark.parametrize("positions", ["offset", "offset-prompt"])
+def test_a_float_mask_after_an_offset_prompt_decodes_as_a_long_one_on_a_rotary_family(
+    lm, adapter, positions, reader, monkeypatch
+):
+    """A float attention mask (0. and 1.) and a prompt given the mask's positions plus one, then steps given them
+    (consistent) or none: the offset read off the float mask is an int, as off a long one (it was a float: the steps
+    failed inside neofix with a TypeError, or fed the model float positions); the reference's tokens, read on the
+    host or by the device reader."""
+    if not adapter.positions.rotary or not _takes_positions(lm):
+        pytest.skip(f"{type(lm).__name__}: positions are {adapter.positions.value} (only differences matter: rotary)")
+    ids, mask = left_padded_batch([6, 3])
+    read_values_on(monkeypatch, reader == "host")
+    tokens, _ = run(lambda: decode(lm, ids, mask.float(), STEPS, positions=positions))
+    usual, _ = run(lambda: decode(lm, ids, mask, STEPS, positions=positions))
+    if isinstance(usual, Exception):  # 4.36 - 4.44 index a rotary table as long as the sequence by the prompt's
+        assert type(tokens) is type(usual) and str(tokens) == str(usual), tokens  # positions: vanilla's IndexError
+        return
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, reference(lm, ids, mask))
 
 
 @requires("generate slices given positions")

@@ -195,7 +195,7 @@ def _offset(rows: list[list[int]] | None, given: list[list[int]], new: int) -> i
         found.update(map(sub, compress(own, row), compress(at, row)))
         if len(found) > 1:
             return None
-    return found.pop() if found else None
+    return int(found.pop()) if found else None  # (an int: a float mask's counts are floats)
 
 
 def _counts_pads(row: list[int], own: list[int]) -> bool:

@@ -261,12 +261,15 @@ def of_output(output: Any) -> Any:
 def static_slots(cache: Any, new: int, device: Any) -> Any:
     """The slots a static cache writes a step's ``new`` tokens to where the call gives no ``cache_position``, counted
     as transformers counts them (the cache's own count of written slots, a tensor on its device, unread, plus
-    ``arange(new)``, on ``device``); ``None`` where the cache does not count them."""
+    ``arange(new)``, on ``device``); ``None`` where the cache does not count them, or counts a sliding-window layer's
+    slots, which stop at the window (up to 4.55: its count is not the tokens so far, and neither are the slots)."""
     layers = getattr(cache, "layers", None)
-    if type(layers) is list:  # 4.56 and later: per layer (5.x keeps the count as a tensor, 4.57 counts the keys)
-        if not layers:
-            return None
+    if type(layers) is list:  # 4.55 and later: per layer (5.x keeps the count as a tensor, 4.57 counts the keys)
+        if not layers or ("Sliding" in type(layers[0]).__name__ and not hasattr(layers[0], "cumulative_length")):
+            return None  # (from 4.56 a sliding-window layer counts every token)
         count: Any = 0 if _static_length(layers[0]) == 0 else _layer_length_tensor(layers[0])
+    elif "Sliding" in type(cache).__name__ or "Hybrid" in type(cache).__name__:  # up to 4.54: its first layer's slots
+        return None
     else:
         get_seq_length = getattr(cache, "get_seq_length", None)
         try:

@@ -646,6 +646,53 @@ def test_a_cache_position_that_does_not_advance_is_repaired(lm, mode):
 # -- what vanilla does right stays bit-identical ----------------------------------------------------------------------
 
 
+def sliding_window_cache(model, length):
+    """The release's static cache of ``model``'s sliding-window layers, of ``length`` slots: Gemma's ``HybridCache`` or
+    ``SlidingWindowCache`` where they exist (up to 4.58), else ``StaticCache`` (whose layers follow the config)."""
+    from transformers import cache_utils
+
+    names = ("HybridCache",) if type(model).__name__.startswith("Gemma") else ()
+    cache_class = next(getattr(cache_utils, name) for name in (*names, "SlidingWindowCache", "StaticCache")
+                       if hasattr(cache_utils, name))
+    parameters = inspect.signature(cache_class.__init__).parameters
+    kwargs = {"config": model.config, "max_cache_len": length}
+    for name, value in (("max_batch_size", 1), ("batch_size", 1), ("dtype", model.dtype), ("device", "cpu")):
+        if name in parameters or (name == "max_batch_size" and "kwargs" in parameters):
+            kwargs[name] = value
+    return cache_class(**kwargs)
+
+
+@hand_loop
+def test_a_loop_given_positions_over_a_sliding_window_cache_past_its_window_runs_as_vanilla(lm):
+    """A hand loop over a static cache of sliding-window layers, given the right positions and no ``cache_position``,
+    past the window: up to 4.55 such a cache counts its slots only up to the window, which neofix took for its length,
+    and it "repaired" the right positions to wrong ones (said; strict mode raised).  Such a count is not a length:
+    vanilla's tokens (the reference's where vanilla's are), nothing said."""
+    if not windowed(lm):
+        pytest.skip(f"{type(lm).__name__}: no sliding-window layers in this tiny config")
+    ids = torch.tensor([[21, 22, 23, 24, 25]])
+
+    @torch.no_grad()
+    def loop():
+        mask, tokens = torch.ones_like(ids), []
+        cache = sliding_window_cache(lm, ids.shape[1] + STEPS + 1)
+        out = lm(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask), use_cache=True,
+                 **{cache_keyword(lm): cache})
+        for _ in range(STEPS):
+            tokens.append(out.logits[:, -1:].argmax(-1))
+            mask = torch.cat([mask, mask.new_ones(1, 1)], -1)
+            out = lm(input_ids=tokens[-1], attention_mask=mask, position_ids=reference_positions(mask)[:, -1:],
+                     use_cache=True, **{cache_keyword(lm): output_cache(out)})
+        return torch.cat(tokens, -1)
+
+    (tokens, said), plain = run(loop), vanilla(loop)
+    if isinstance(plain, Exception):  # (4.48 - 4.52: Mistral's SlidingWindowCache fails past its window, vanilla too)
+        assert type(tokens) is type(plain) and str(tokens) == str(plain), tokens
+        return
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, plain) and said == [], said
+
+
 @hand_loop
 @pytest.mark.parametrize("positions", ["none", "correct"])
 def test_an_unpadded_hand_loop_is_bit_identical_to_vanilla(lm, positions):

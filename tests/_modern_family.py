@@ -787,6 +787,33 @@ def test_a_hand_loop_on_the_models_own_hybrid_cache_is_a_clear_error(lm, family)
     assert str(error).startswith("attention_mask has 7 columns, but the cache is a static cache of 6 slots")
 
 
+def test_a_left_padded_batch_on_a_hybrid_cache_within_the_window_runs_as_vanilla(lm, family):
+    """Gemma2 up to 4.47, its sliding window as long as the whole sequence (32): the HybridCache reads a left-padded
+    batch right there (its sliding layers misread the mask only past the window), so generate and a hand loop's
+    prefill into one of no more slots than the window run as vanilla, and give the reference's tokens."""
+    if not hybrid_cache_misreads_left_padding(family):
+        pytest.skip(f"transformers {TF}: no HybridCache that misreads left padding")
+    from transformers import HybridCache
+
+    wide = tiny_model(family, seed=0, dtype=lm.dtype, attn_implementation=lm.config._attn_implementation,
+                      sliding_window=32)
+    ids, mask = left_padded_batch(ROWS)
+    call = lambda: wide.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)  # noqa: E731
+    patched, plain = patched_and_vanilla(lambda: run(call)[0])
+    assert isinstance(patched, torch.Tensor), patched
+    assert torch.equal(patched, plain)
+    assert torch.equal(patched, reference_greedy(wide, ids, mask, STEPS, eos_token_id=0))
+
+    def hand(slots):
+        cache = HybridCache(wide.config, batch_size=3, max_cache_len=slots, device="cpu", dtype=wide.dtype)
+        return wide(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+
+    patched, plain = patched_and_vanilla(lambda: run(lambda: hand(32))[0])
+    assert torch.equal(patched, plain)
+    refused, _ = run(lambda: hand(33))  # one slot more than the window: a step could pass it
+    assert isinstance(refused, neofix.MaskValueError), refused
+
+
 def test_a_left_padded_batch_on_a_hybrid_cache_that_misreads_it_is_refused(lm, family):
     """Gemma2 up to 4.47: generate of a left-padded batch gives the padded rows wrong tokens from the first cached step
     on (vanilla), so neofix refuses its prefill before any layer runs, in generate and in a hand loop that passes a

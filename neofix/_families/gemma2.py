@@ -80,12 +80,17 @@ def _new_tokens(call: dict) -> int | None:
 def check_hybrid_prefill(model: Any, cache: CacheView, call: dict) -> None:
     """Refuse, where the release's ``HybridCache`` misreads left padding, a prefill of left-padded rows into one (the
     cache ``generate`` makes for Gemma2, or one a hand loop passes): its first token would be right, later ones of a
-    padded row wrong (measured in float32; float64 happens to survive).  Read on prefills only (the cache's own length
+    padded row wrong (measured in float32; float64 happens to survive), once the sequence passes the window: a cache of
+    no more slots than ``config.sliding_window`` is let through (within the window vanilla is right).  Read on
+    prefills only (the cache's own length
     is a tensor, not read): a 2D mask as wide as the new tokens, or the 4D mask ``generate`` builds for a static cache
     on a step of several new tokens (its last query's row: a column of the step it does not attend to is a pad)."""
     mask = call.get("attention_mask")
     if cache.layout != "static" or mask is None:
         return
+    window = getattr(model.config, "sliding_window", None)
+    if isinstance(window, int) and cache.capacity is not None and cache.capacity <= window:
+        return  # no step fits past the window, within which the sliding layers read the mask right
     new = _new_tokens(call)
     if new is None:
         return

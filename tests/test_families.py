@@ -744,6 +744,36 @@ def test_assisted_generate_is_identical_to_vanilla(family, lm32):
     )
 
 
+def test_early_exit_assisted_generate_is_identical_to_vanilla(lm32):
+    """``generate(assistant_early_exit=1)`` (4.47 and later): the model drafts with its first layer alone, so the
+    drafts' cache holds nothing in the other layers.  neofix refused that cache as one of layers of different lengths
+    (the error escaped before transformers restored ``config.num_hidden_layers``, which stayed 1); it now checks the
+    layers a forward runs: vanilla's tokens, the greedy reference's, and the config as it was, where vanilla runs
+    (Gemma3 on 4.50 - 4.57 fails to find its base model, and families without early exit fail inside transformers:
+    there the same error)."""
+    if TF_RELEASE < (4, 47):
+        pytest.skip(f"transformers {transformers.__version__}: no assistant_early_exit")
+    ids, mask = left_padded_batch([6], seed=5)
+    layers, after = lm32.config.num_hidden_layers, []
+
+    def call(model):
+        try:
+            return run(lambda: generate(model, ids, mask, assistant_early_exit=1, do_sample=False))
+        finally:  # (where generate fails, transformers leaves its count at 1: put back for the next run)
+            after.append(model.config.num_hidden_layers)
+            model.config.num_hidden_layers = layers
+
+    (patched, _), (plain, _) = both(lm32, call)
+    if isinstance(plain, Exception):  # (GPT-2, OPT, BLOOM, ...: an IndexError inside transformers, vanilla too)
+        assert type(patched) is type(plain) and str(patched) == str(plain), patched
+        return
+    assert after == [layers, layers]
+    assert isinstance(patched, torch.Tensor), patched
+    assert torch.equal(patched, plain)
+    eos = lm32.generation_config.eos_token_id
+    assert torch.equal(patched, reference_greedy(lm32, ids, mask, STEPS, eos_token_id=eos, pad_token_id=0))
+
+
 @requires("prompt lookup")
 def test_prompt_lookup_is_identical_to_vanilla(lm32):
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])

@@ -103,11 +103,18 @@ def attention_of(config: Any) -> str:
     return getattr(config, "_attn_implementation", None) or "eager"
 
 
-def make_layers(attribute: str) -> Callable[[Any], int]:
-    """``layers(model)``: the number of attention layers (``model.<attribute>`` is the base model's blocks)."""
+def make_layers(attribute: str, run: str | None = None) -> Callable[[Any], int]:
+    """``layers(model)``: the number of attention layers a forward runs (``model.<attribute>`` is the base model's
+    blocks).  ``run``: the config's count of them, where the forward runs only that many of its blocks (the modern
+    decoders from 4.47: ``generate(assistant_early_exit=k)`` drafts with the first ``k``, and the cache of those
+    drafts holds nothing in the others)."""
 
     def layers(model: Any) -> int:
         blocks = model._modules.get(attribute)  # (a submodule: read where nn.Module keeps it, without __getattr__)
-        return len(blocks if blocks is not None else getattr(model, attribute))
+        count = len(blocks if blocks is not None else getattr(model, attribute))
+        if run is None:
+            return count
+        limit = getattr(model.config, run, None)
+        return min(count, limit) if type(limit) is int else count
 
     return layers

@@ -21,7 +21,7 @@ ADAPTER = Adapter(
     family=GEMMA3,
     positions=Positions.ROTARY,
     limits=limits,
-    layers=make_layers("layers"),
+    layers=make_layers("layers", run="num_hidden_layers"),
     read_cache=read_window_cache,
     check_step=check_past_window if GROWING_CACHE_MISREAD_PAST_WINDOW else no_check,
     legacy_cache_rejected=True,

@@ -77,7 +77,7 @@ ADAPTER = Adapter(
     family=LLAMA,
     positions=Positions.ROTARY,
     limits=limits,
-    layers=make_layers("layers"),  # LlamaModel's decoder layers
+    layers=make_layers("layers", run="num_hidden_layers"),  # LlamaModel's decoder layers
     # no window: a static cache's empty slots are masked by the 4D mask transformers builds for it (no check of its
     # own).  Legacy tuple caches fail from 4.48 (4.45 converts them with a deprecation warning)
     legacy_cache_rejected=_compat.release() >= (4, 48),

@@ -37,7 +37,7 @@ ADAPTER = Adapter(
     family=MISTRAL,
     positions=Positions.ROTARY,
     limits=limits,
-    layers=make_layers("layers"),  # MistralModel's decoder layers
+    layers=make_layers("layers", run="num_hidden_layers"),  # MistralModel's decoder layers
     read_cache=read_window_cache,
     # the window is the attention's own (its mask, or its sliding-window cache layers): no check of its own.  Legacy
     # tuple caches fail from 4.48 (4.45 converts them with a deprecation warning)

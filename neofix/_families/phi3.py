@@ -19,7 +19,7 @@ ADAPTER = Adapter(
     family=PHI3,
     positions=Positions.ROTARY,
     limits=limits,
-    layers=make_layers("layers"),
+    layers=make_layers("layers", run="num_hidden_layers"),
     read_cache=read_window_cache,
     legacy_cache_rejected=_compat.release() >= (4, 48),
 )

@@ -667,7 +667,7 @@ def test_a_loop_given_positions_over_a_sliding_window_cache_past_its_window_runs
     """A hand loop over a static cache of sliding-window layers, given the right positions and no ``cache_position``,
     past the window: up to 4.55 such a cache counts its slots only up to the window, which neofix took for its length,
     and it "repaired" the right positions to wrong ones (said; strict mode raised).  Such a count is not a length:
-    vanilla's tokens (the reference's where vanilla's are), nothing said."""
+    vanilla's tokens, nothing said."""
     if not windowed(lm):
         pytest.skip(f"{type(lm).__name__}: no sliding-window layers in this tiny config")
     ids = torch.tensor([[21, 22, 23, 24, 25]])

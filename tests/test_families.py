@@ -615,16 +615,21 @@ def test_a_second_turn_continues_the_first_turns_cache(lm32, lengths, given, mon
     sequences = torch.cat([first.sequences, user], -1)
     whole = torch.cat([mask, mask.new_ones(len(lengths), sequences.shape[1] - mask.shape[1])], -1)
     cache = {cache_keyword(lm32): output_cache(first)}
-    second, messages = run(lambda: generate(lm32, sequences, whole if given == "whole mask" else mask, **greedy, **cache))
+    given_mask = whole if given == "whole mask" else mask
+    second, messages = run(lambda: generate(lm32, sequences, given_mask, **greedy, **cache))
     if given == "first turn's mask" and TF_RELEASE >= (5, 3):
         assert isinstance(second, neofix.MaskLengthError), second
         assert str(second).startswith(
             f"generate was given {sequences.shape[1]} tokens of input_ids, a cache of {sequences.shape[1] - 4} tokens "
             f"and an attention_mask of {mask.shape[1]} columns: as the whole sequence"
         ), second
+        with torch.no_grad(), pytest.raises(neofix.MaskLengthError):  # the prompt by generate's own name too
+            lm32.generate(inputs=sequences, attention_mask=mask, pad_token_id=0, max_new_tokens=STEPS, **greedy, **cache)
         return
     assert isinstance(second, torch.Tensor), second
     assert torch.equal(second[:, sequences.shape[1]:], reference(lm32, sequences, whole)), messages
+    if given == "first turn's mask":  # one cause, said once: generate's positions follow the extended mask unsaid
+        assert len(messages) == 1 and "extended it with ones on the right" in messages[0], messages
 
 
 @requires("Cache objects")

@@ -92,7 +92,8 @@ def align(
     repairs: list[Repair] = []
     passed, mask_2d = align_mask(step.attention_mask, batch, new, cache, total, repairs, policy)
     if policy.trusted_positions and any(kind in (MASK_EXTENDED, MASK_SLICED) for kind, _ in repairs):
-        policy = policy._replace(trusted_positions=False)  # generate built them from the mask it gave, not this one
+        step = step._replace(position_ids=None)  # generate built them from the mask it gave, not from this one: as
+        # where none are given, this one's rules make them (the mask's repair, said, is the one cause)
     mask = passed
     if mask_2d and total is not None and mask.shape[-1] > total:  # a static cache's slots (_read_by_slot): its
         mask = mask[:, :total]  # first columns are the tokens so far (the slots past them are empty)
@@ -180,7 +181,7 @@ def keeps_every_rule(
     facts = read_values(input_ids, None, positions, given, compare, mask, new, past, limits, None, scheme)
     check_values(facts, input_ids, None, positions, mask, limits)
     kept = positions_kept(facts, compare, derive, cache.built) and not rows_to_mark(facts, past)
-    kept = kept and built_by(facts, scheme) is None
+    kept = kept and built_by(facts, scheme, kind.rotary and not given and past == 0 and mask is not None) is None
     return kept, facts
 
 

@@ -50,7 +50,7 @@ from ._core import (
     explain_index_error,
     keeps_every_rule,
 )
-from ._core._types import BY_COLUMNS, Offset
+from ._core._types import Offset
 from ._errors import (
     AttentionWindowError,
     InputShapeError,
@@ -271,7 +271,8 @@ def _call(
     (single-token decode steps read nothing; on the CPU the lookup is the check) surfaces as the embedding's
     ``IndexError``: name the value instead.  A prefill that ended ``right_padded`` rows in padding marks the cache it
     returns, so that decoding from it says so; a rotary family's prompt marks the positions its cache is built with,
-    transformers' own (given none) or what its given ones were read to be (``built``: :func:`_mark_built`)."""
+    as its values were read (``built``: transformers' own, where it was given none on a row with a pad before a real
+    token, or what its given ones are; :func:`_mark_built`)."""
     try:
         output = original(model, **call)
     except IndexError as exc:
@@ -286,8 +287,6 @@ def _call(
     if adapter.positions.rotary and eager and (view.length == 0 or view.built):  # a prompt, or a cache marked
         if view.length:  # (a legacy tuple is new each step)
             built = view.built
-        elif call.get("position_ids") is None:
-            built = BY_COLUMNS
         _mark_built(output, built)
     return output
 
@@ -388,14 +387,22 @@ _BUILT: dict[int, tuple[Any, str | Offset]] = {}
 
 def _built(cache: Any) -> str | Offset | None:
     """The positions ``cache`` was built with, where its prompt told (:attr:`~neofix._core.CacheView.built`); a cache
-    object of 4.36 - 4.55 also by its first key tensor (generate turns a legacy tuple given it into one that holds the
-    tuple's own tensors)."""
+    object of 4.36 - 4.55 also by its first key tensor (:func:`_first_key`)."""
     built = _remembered(_BUILT, _cache_key(cache))
-    if built is None:
-        keys = getattr(cache, "key_cache", None)
-        if type(keys) is list and keys:
-            return _remembered(_BUILT, keys[0])
+    if built is None and _compat.release() < (4, 56):
+        return _remembered(_BUILT, _first_key(cache))
     return built
+
+
+def _first_key(cache: Any) -> Any:
+    """A cache object's first key tensor (``None`` where it has none), by which it is also remembered on 4.36 - 4.55:
+    there generate turns a legacy tuple it is given into a cache object holding the tuple's own tensors, and returns
+    its cache as a legacy tuple of its own on some releases."""
+    layers = getattr(cache, "layers", None)
+    if type(layers) is list:  # 4.55: layers of keys (its key_cache, a view of them, logs a deprecation when read)
+        return getattr(layers[0], "keys", None) if layers else None
+    keys = getattr(cache, "key_cache", None)
+    return keys[0] if type(keys) is list and keys else None
 
 
 def _mark_built(output: Any, built: str | Offset | None) -> None:
@@ -409,8 +416,8 @@ def _mark_built(output: Any, built: str | Offset | None) -> None:
     key = _cache_key(cache)
     if key is None:
         return
-    keys = getattr(cache, "key_cache", None)
-    for each in (key, keys[0]) if type(keys) is list and keys else (key,):
+    first = _first_key(cache) if _compat.release() < (4, 56) else None
+    for each in (key, first) if first is not None else (key,):
         if built is None:
             _BUILT.pop(id(each), None)  # (a cache used again from its start, its prompt given other positions)
         elif _remembered(_BUILT, each) != built:
@@ -610,7 +617,7 @@ def make_generate(original: Any, _adapter: Any) -> Callable[..., Any]:
                 "pass no input_ids and let generate start from config.bos_token_id"
             )
         if reads_new_tokens_by_mask:
-            _mask_for_generate(args[0] if args else kwargs.get("input_ids"), kwargs)
+            _mask_for_generate(args[0] if args else kwargs.get("input_ids", kwargs.get("inputs")), kwargs)
         token = _GENERATING.set((self, length, kwargs.get("attention_mask")))
         try:
             return original(self, *args, **kwargs)

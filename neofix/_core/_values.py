@@ -101,7 +101,8 @@ def settle(
         )
         check_values(facts, step.input_ids, step.token_types, step.positions, step.mask, limits)
     positions = _positions_from(facts, step, compare, derive, policy, repairs)
-    return Settled(positions, None, rows_to_mark(facts, step.past), built_by(facts, scheme))
+    unpositioned = policy.positions.rotary and not step.given and step.past == 0 and step.mask is not None
+    return Settled(positions, None, rows_to_mark(facts, step.past), built_by(facts, scheme, unpositioned))
 
 
 def value_plan(
@@ -171,13 +172,17 @@ def rows_to_mark(facts: Facts, past: int | None) -> tuple[int, ...]:
     return facts.right_padded if past == 0 else ()
 
 
-def built_by(facts: Facts, scheme: bool) -> str | Offset | None:
+def built_by(facts: Facts, scheme: bool, unpositioned: bool = False) -> str | Offset | None:
     """The positions a rotary prompt's cache is built with, where its values tell (``scheme``: the prompt's given
     positions were read): ``BY_MASK`` where every real token is at the mask's position and a row has a pad before a
     real token (there the mask's and the columns differ); ``BY_COLUMNS`` where every one is at its column and the mask's
     differ; an :class:`~._types.Offset` where every one is at the mask's plus the same number (told from the columns
     plus it where a row has a pad before a real token); ``BY_GIVEN`` where they are none of these (the caller's own
-    scheme); else ``None`` (the two schemes agree on every real token: either continues the cache)."""
+    scheme); else ``None`` (the two schemes agree on every real token: either continues the cache).  A rotary prompt
+    given none (``unpositioned``, with a 2D mask) builds it with transformers' own, ``BY_COLUMNS``, where a row has a
+    pad before a real token (else ``None``: the two agree)."""
+    if unpositioned:
+        return BY_COLUMNS if facts.left else None
     if not scheme:
         return None
     if not facts.wrong:

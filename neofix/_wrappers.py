@@ -284,9 +284,9 @@ def _call(
         raise
     if right_padded:
         _mark_right_padded(output, right_padded)
-    if adapter.positions.rotary and eager and (view.length == 0 or view.built):  # a prompt, or a cache marked
-        if view.length:  # (a legacy tuple is new each step)
-            built = view.built
+    if (view.length == 0 or view.built) and (built is not None or _BUILT) and eager and adapter.positions.taken:
+        if view.length:  # a prompt, or a step after a cache marked (a legacy tuple is new each step); a prompt that
+            built = view.built  # builds with nothing to mark has no mark to drop either, where none is kept
         _mark_built(output, built)
     return output
 

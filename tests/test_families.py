@@ -237,6 +237,56 @@ def test_a_float_mask_after_an_offset_prompt_decodes_as_a_long_one_on_a_rotary_f
     assert torch.equal(tokens, reference(lm, ids, mask))
 
 
+@pytest.mark.parametrize("reader", ["host", "device"])
+@pytest.mark.parametrize("positions", ["offset", "offset-prompt", "offset-frozen"])
+def test_steps_after_a_prompt_given_an_offset_continue_it_on_a_family_with_a_position_table(
+    lm32, adapter, positions, reader, monkeypatch
+):
+    """A prompt given the mask's positions plus one (a loop counting from 1) on a family whose positions index a table
+    (GPT-Neo, GPT-2, OPT): its real tokens look those up (left as given: a scheme of the caller's), so its cache must
+    be continued with them.  Steps given the mask's plus one are left as given (they were "repaired" to the mask's,
+    which mixed the two: neither vanilla's tokens nor the reference's); steps given none get the mask's plus one;
+    steps given the prompt's last again at every step are repaired to them, said once.  Each decodes what vanilla
+    decodes given the mask's plus one at every step, consistently (the prompt's values read on the host, or by the
+    device reader)."""
+    if not adapter.positions.compared or not _takes_positions(lm32):
+        pytest.skip(f"{type(lm32).__name__}: positions are {adapter.positions.value}, or not taken")
+    ids, mask = left_padded_batch([6, 3])
+    with neofix.unpatched():
+        expected, _ = run(lambda: decode(lm32, ids, mask, STEPS, positions="offset"))
+    read_values_on(monkeypatch, reader == "host")
+    tokens, messages = run(lambda: decode(lm32, ids, mask, STEPS, positions=positions))
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens, expected)
+    if positions == "offset-frozen":
+        assert len(messages) == 1 and "count of real tokens before it plus the same number" in messages[0], messages
+        neofix.configure(mode="strict")
+        refused, _ = run(lambda: decode(lm32, ids, mask, STEPS, positions=positions))
+        assert isinstance(refused, neofix.PositionError), refused
+    else:
+        assert messages == []
+
+
+@requires("generate slices given positions")
+def test_generate_given_positions_offset_from_the_masks_continues_them_on_a_family_with_a_position_table(
+    lm32, adapter, monkeypatch
+):
+    """``generate(position_ids=...)`` with the mask's positions plus one, on a family whose positions index a table:
+    the steps continue them (from 5.2 generate advances them itself, and vanilla's tokens are those; on 4.46 - 5.0 it
+    passes the prompt's last one again at every step, and neofix repairs them to the mask's plus one): the tokens of a
+    loop given the mask's plus one at every step, vanilla's."""
+    if not adapter.positions.compared or not _takes_positions(lm32):
+        pytest.skip(f"{type(lm32).__name__}: positions are {adapter.positions.value}, or not taken")
+    monkeypatch.setattr(lm32.generation_config, "eos_token_id", None)  # every row runs STEPS tokens, as the loop
+    ids, mask = left_padded_batch([6, 3])
+    with neofix.unpatched():
+        expected, _ = run(lambda: decode(lm32, ids, mask, STEPS, positions="offset"))
+    given = reference_positions(mask) + 1
+    tokens, _ = run(lambda: generate(lm32, ids, mask, position_ids=given, do_sample=False))
+    assert isinstance(tokens, torch.Tensor), tokens
+    assert torch.equal(tokens[:, ids.shape[1]:], expected)
+
+
 @requires("generate slices given positions")
 def test_generate_given_positions_offset_from_the_masks_gives_the_reference_on_a_rotary_family(lm, adapter):
     """``generate(position_ids=...)`` with the mask's positions plus 5: on 4.46 - 5.0 transformers passes the prompt's

@@ -51,7 +51,8 @@ def questions(draw):
     ids = torch.tensor(draw(st.lists(st.lists(st.integers(-1, 96), min_size=new, max_size=new), min_size=rows, max_size=rows)))
     if mask is not None and mask.dtype == torch.bool and (mask.long() > 1).any():
         mask = mask.long()
-    return Question(ids, None, positions, positions is not None, positions is not None, mask, new, past)
+    scheme = positions is not None and past == 0 and draw(st.booleans())  # a prompt's offset from the mask's
+    return Question(ids, None, positions, positions is not None, positions is not None, mask, new, past, None, scheme)
 
 
 @example(Question(torch.ones(2, 3, dtype=torch.long), None, torch.tensor([[0, 1, 2], [5, 0, 1]]), True, True,
@@ -74,6 +75,8 @@ def questions(draw):
                   torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]), 2, 3))  # 1D positions, shared by the rows: wrong
 @example(Question(torch.ones(1, 2, dtype=torch.long), None, torch.tensor([3, 4]), True, True,
                   torch.ones(1, 5, dtype=torch.long), 2, 3))  # 1D positions: right
+@example(Question(torch.ones(1, 4, dtype=torch.long), None, torch.tensor([[0, 1, 2, 3]]), True, True,
+                  torch.tensor([[0, 0, 1, 1]]), 4, 0, None, True))  # a prompt's offset, its row counting its pads
 @PROPERTY
 @given(question=questions())
 def test_the_readers_read_alike(question):

@@ -29,7 +29,8 @@ class Question(NamedTuple):
     table); ``mask``: the aligned 2D mask or ``None``; ``past``: cached tokens (``None``: not known; 0 without a
     cache); ``slots``: the new tokens' slots where ``past`` is not known (see :func:`new_columns`); ``scheme``: without
     a cache, tell whether the given positions are the mask's, and whether they are the columns (a rotary prompt: the
-    positions its cache is built with, :func:`~._values.built_by`)."""
+    positions its cache is built with, :func:`~._values.built_by`), or, with ``compare`` (a family with a position
+    table), their offset from the mask's alone."""
 
     input_ids: Any
     token_types: Any
@@ -52,8 +53,8 @@ class Facts(NamedTuple):
     positions after the cache), or, without a cache where ``scheme`` asks, some real token's; ``counts_pads``: without
     a cache, the rows whose given positions count their left padding (``arange`` over the padded width);
     ``columns``: without a cache where ``scheme`` asks, every real token's given position is its column (``False``
-    where not asked); ``offset``: there, where they are wrong, the one number every real token's given position is
-    off from the mask's by (the same in every row), else ``None``.
+    where not asked); ``offset``: there, where they are wrong (with ``compare``: wrong or not), the one number every
+    real token's given position is off from the mask's by (the same in every row), else ``None``.
     """
 
     ids: tuple[int, int] | None
@@ -105,7 +106,7 @@ def read_on_host(question: Question) -> Facts:
         given = [given] if not given or type(given[0]) is not list else given
         if len(given) == 1:
             given *= len(rows) if rows is not None else len(input_ids if input_ids is not None else given)
-        if scheme:
+        if scheme and not compare:  # a rotary prompt: the mask's, the columns, or an offset from the mask's
             every = _numbers(0, new)
             if rows is None:  # every token real: the mask's positions are the columns
                 wrong = any(own != every for own in given)
@@ -116,6 +117,8 @@ def read_on_host(question: Question) -> Facts:
                 offset = _offset(rows, given, new)
         elif past == 0:
             counts_pads = tuple(row for row, own in enumerate(given) if rows is not None and _counts_pads(rows[row], own))
+            if scheme:  # a prompt of a family with a position table: an offset from the mask's
+                offset = _offset(rows, given, new)
         elif rows is None:  # every token real: the new tokens continue after the cache
             wrong = past is not None and any(own != _numbers(past, past + new) for own in given)
         else:
@@ -230,7 +233,7 @@ def read_on_device(question: Question) -> Facts:
         if mask.shape[-1] > 1:  # per row: +1 where a pad is followed by a real token, -1 the other way
             steps = add(*torch.aminmax(torch.diff(mask.long(), dim=-1), dim=-1))
             last = add(mask[:, -1])
-    if (compare and past != 0) or scheme:
+    if (compare and past != 0) or (scheme and not compare):
         truth = step_truth(mask, new, past, positions, slots)
         if truth is not None:
             derived, real = truth
@@ -239,8 +242,14 @@ def read_on_device(question: Question) -> Facts:
                 columns = add((real & (positions != torch.arange(new, device=positions.device))).any())
                 off = positions - derived  # (by how much each real token is off the mask's: one number, or many)
                 offsets = add(torch.where(real, off, _FAR).min(), torch.where(real, off, -_FAR).max())
-    elif compare and mask is not None:
-        counts = add(counts_padding(positions, mask))
+    elif compare:  # a prompt of a family with a position table: positions that count the pads, and with scheme, the
+        if mask is not None:  # offset of every real token's from the mask's (read with the counts, once)
+            counts = add(counts_padding(positions, mask))
+        truth = step_truth(mask, new, past, positions, slots) if scheme else None
+        if truth is not None:
+            derived, real = truth
+            off = positions - derived
+            offsets = add(torch.where(real, off, _FAR).min(), torch.where(real, off, -_FAR).max())
     values = torch.cat(parts).tolist() if parts else []  # the one read
 
     def pair(where: slice | None) -> tuple[int, int] | None:
@@ -261,7 +270,7 @@ def read_on_device(question: Question) -> Facts:
         wrongly,
         tuple(row for row, flag in enumerate(values[counts]) if flag) if counts is not None else (),
         at_columns,
-        low if wrongly and not at_columns and low == high else None,
+        low if (compare or (wrongly and not at_columns)) and low == high else None,
     )
 
 

@@ -39,10 +39,13 @@ class Positions(enum.Enum):
     """What positions mean to a model family (its adapter's ``positions``), and so what alignment does with them.
 
     * ``ABSOLUTE`` (GPT-Neo, GPT-2): looked up in a table, so their values matter on their own.  Missing ones are
-      derived from the mask; given ones are compared with the mask's; stale ones are derived again.
+      derived from the mask; given ones are compared with the mask's; stale ones are derived again.  After a cache
+      whose prompt was given the mask's plus one number (``CacheView.built`` an :class:`Offset`), those instead:
+      given ones are judged as rotary ones are against them, missing ones derived as them.
     * ``MASK`` (OPT): absolute, but the model derives missing ones from the mask itself, from every column it is
-      given.  Given ones are compared with the mask's; stale ones are dropped (the model derives them); a static
-      cache's mask read by slot is passed on as its tokens so far, where their count is known.
+      given.  Given ones are compared with the mask's (after an offset prompt, as ``ABSOLUTE``); stale ones are
+      dropped (the model derives them); a static cache's mask read by slot is passed on as its tokens so far, where
+      their count is known.
     * ``ROTARY`` (GPT-J, CodeGen, GPT-NeoX, Llama and the modern decoders): only differences matter, so
       transformers' own positions (which count left padding) are as right as the mask's, and a cache built with
       either must be continued with the same: missing positions are left to the model; given ones are left as they
@@ -75,7 +78,8 @@ class Positions(enum.Enum):
 
 
 class Offset(NamedTuple):
-    """A rotary cache built with positions off from a scheme's by one number (:attr:`CacheView.built`): ``by`` that
+    """A cache built with positions off from a scheme's by one number (:attr:`CacheView.built`; of a family with a
+    position table, from the mask's alone): ``by`` that
     number; ``told``: its prompt had a pad before a real token, so the positions were the mask's plus ``by`` (else
     the mask's and the columns agreed there, and either plus ``by`` continues the cache)."""
 

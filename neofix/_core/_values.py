@@ -102,7 +102,8 @@ def settle(
         check_values(facts, step.input_ids, step.token_types, step.positions, step.mask, limits)
     positions = _positions_from(facts, step, compare, derive, policy, repairs)
     unpositioned = policy.positions.rotary and not step.given and step.past == 0 and step.mask is not None
-    return Settled(positions, None, rows_to_mark(facts, step.past), built_by(facts, scheme, unpositioned))
+    built = built_by(facts, scheme, unpositioned, policy.positions.compared)
+    return Settled(positions, None, rows_to_mark(facts, step.past), built)
 
 
 def value_plan(
@@ -129,9 +130,15 @@ def value_plan(
     derive = not given and mask_2d and (kind.derived or built == BY_MASK or type(built) is Offset)
     decode = new == 1 and past != 0
     rotary = scheme = False
-    if given and kind.rotary and not model_mask:
-        rotary = bool(past) and built != BY_GIVEN and (not trusted or not (built is None or built == BY_MASK))
-        scheme = past == 0
+    if given and not model_mask:
+        if kind.rotary:
+            rotary = bool(past) and built != BY_GIVEN and (not trusted or not (built is None or built == BY_MASK))
+            scheme = past == 0
+        elif kind.compared and (past == 0 or type(built) is Offset):
+            if past == 0:  # a prompt: the offset of its positions from the mask's (they build its cache)
+                scheme = True
+            else:  # after a cache built with the mask's plus an offset, those continue it: judged as rotary ones
+                rotary, compare = True, False
     return compare, derive, not decode or check_values or (compare and strict), rotary, scheme
 
 
@@ -172,7 +179,7 @@ def rows_to_mark(facts: Facts, past: int | None) -> tuple[int, ...]:
     return facts.right_padded if past == 0 else ()
 
 
-def built_by(facts: Facts, scheme: bool, unpositioned: bool = False) -> str | Offset | None:
+def built_by(facts: Facts, scheme: bool, unpositioned: bool = False, table: bool = False) -> str | Offset | None:
     """The positions a rotary prompt's cache is built with, where its values tell (``scheme``: the prompt's given
     positions were read): ``BY_MASK`` where every real token is at the mask's position and a row has a pad before a
     real token (there the mask's and the columns differ); ``BY_COLUMNS`` where every one is at its column and the mask's
@@ -185,6 +192,8 @@ def built_by(facts: Facts, scheme: bool, unpositioned: bool = False) -> str | Of
         return BY_COLUMNS if facts.left else None
     if not scheme:
         return None
+    if table:  # a family with a position table: its prompt's positions are the mask's (repaired there where they count
+        return Offset(facts.offset, facts.left) if facts.offset and not facts.counts_pads else None  # the pads) or off
     if not facts.wrong:
         return BY_MASK if facts.left else None
     if facts.columns:

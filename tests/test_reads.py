@@ -77,6 +77,8 @@ def questions(draw):
                   torch.ones(1, 5, dtype=torch.long), 2, 3))  # 1D positions: right
 @example(Question(torch.ones(1, 4, dtype=torch.long), None, torch.tensor([[0, 1, 2, 3]]), True, True,
                   torch.tensor([[0, 0, 1, 1]]), 4, 0, None, True))  # a prompt's offset, its row counting its pads
+@example(Question(torch.ones(1, 3, dtype=torch.long), None, torch.tensor([[1, 5, 3]]), True, True,
+                  torch.ones(1, 3, dtype=torch.long), 3, 0, None, True))  # off by 1, 4, 1: no one offset
 @PROPERTY
 @given(question=questions())
 def test_the_readers_read_alike(question):

@@ -114,11 +114,11 @@ def read_on_host(question: Question) -> Facts:
                 wrong = any(map(_wrong, rows, leading, given, repeat(new)))  # type: ignore[arg-type]
             columns = not wrong if not left else all(map(_at_columns, rows, given, repeat(every)))  # type: ignore[arg-type]
             if wrong and not columns:
-                offset = _offset(rows, given, new)
+                offset = _offset(rows, leading, given)
         elif past == 0:
             counts_pads = tuple(row for row, own in enumerate(given) if rows is not None and _counts_pads(rows[row], own))
             if scheme:  # a prompt of a family with a position table: an offset from the mask's
-                offset = _offset(rows, given, new)
+                offset = _offset(rows, leading, given)
         elif rows is None:  # every token real: the new tokens continue after the cache
             wrong = past is not None and any(own != _numbers(past, past + new) for own in given)
         else:
@@ -188,17 +188,24 @@ def _at_columns(row: list[int], own: list[int], every: list[int]) -> bool:
     return list(compress(own, row)) == list(compress(every, row))
 
 
-def _offset(rows: list[list[int]] | None, given: list[list[int]], new: int) -> int | None:
+def _offset(rows: list[list[int]] | None, leading: list[int | None] | None, given: list[list[int]]) -> int | None:
     """Without a cache: the one number by which every row's real tokens' given positions are off from the mask's
-    (``rows``: the mask's; ``None``: every token real), or ``None`` where they differ (or no token is real)."""
-    found: set[int] = set()
+    (``rows``: the mask's, ``leading``: their pads before the first real token, where every pad is (see :func:`_scan`);
+    ``None``: every token real), or ``None`` where they differ (or no token is real).
+
+    The mask puts a row's real tokens at 0, 1, 2, ... (each one's count of real tokens before it), so they are off by
+    one number where their given positions run on from the first one: compared as lists, in C."""
+    found: int | None = None
     for index, own in enumerate(given):
-        row = rows[index] if rows is not None else [1] * new
-        at = map(sub, accumulate(row), repeat(1))  # (a real token's count - 1: its mask position)
-        found.update(map(sub, compress(own, row), compress(at, row)))
-        if len(found) > 1:
+        pads = leading[index] if leading is not None else 0
+        real = own[pads:] if pads is not None else list(compress(own, rows[index]))  # type: ignore[index]
+        if not real:
+            continue
+        if found is None:
+            found = int(real[0])  # (an int: a float mask's counts are floats)
+        if real != list(range(found, found + len(real))):
             return None
-    return int(found.pop()) if found else None  # (an int: a float mask's counts are floats)
+    return found
 
 
 def _counts_pads(row: list[int], own: list[int]) -> bool:

@@ -212,7 +212,9 @@ def from_legacy(legacy: Any, config: Any) -> Any:
     """A ``DynamicCache`` holding a legacy ``((key, value), ...)`` cache, built without deprecation warnings."""
     from transformers.cache_utils import DynamicCache
 
-    if "ddp_cache_data" in inspect.signature(DynamicCache.__init__).parameters:  # 4.57 and later
+    from ._compat import release
+
+    if release() >= (4, 56):  # (4.54 - 4.55 take ddp_cache_data, but given the config they fail to build its layers)
         return DynamicCache(ddp_cache_data=legacy, config=config)
     return DynamicCache.from_legacy_cache(legacy)  # type: ignore[attr-defined]
 

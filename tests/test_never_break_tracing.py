@@ -13,6 +13,7 @@ Models have two layers (one global, one local attention): every kind of layer, a
 
 from __future__ import annotations
 
+import gc
 import io
 
 import pytest
@@ -198,6 +199,36 @@ def test_compile_the_base_model_directly(lm):
     with torch.no_grad():
         expected = base(input_ids=CHECK_INPUTS[0], attention_mask=CHECK_INPUTS[1], use_cache=False)
     assert torch.equal(patched.result, expected.last_hidden_state)
+
+
+def test_a_compiled_forward_reads_nothing_eager_calls_remember(lm):
+    """neofix remembers, by weak reference, what some eager prompts built their caches with (a prompt given its mask's
+    positions plus an offset marks its cache: tests/test_families.py).  A compiled forward reads none of it: were it
+    read, dynamo would guard on it, and a cache marked or freed between two compiled calls (by an eager prompt
+    elsewhere, or by the garbage collector, even while dynamo compiles) would compile the forward again, or fail
+    the guard check on the frame that built it."""
+    from neofix import _wrappers
+
+    graphs = []
+
+    def counting(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    _reset_dynamo()
+    compiled = torch.compile(module_of(lm, "lm"), backend=counting)
+    ids, mask = CHECK_INPUTS
+    with torch.no_grad():
+        first = compiled(ids, mask)
+        assert len(graphs) == 1
+        marked = lm(input_ids=ids, attention_mask=mask, position_ids=reference_positions(mask) + 3, use_cache=True)
+        assert _wrappers._BUILT, "the eager prompt given offset positions marked its cache"
+        assert torch.equal(compiled(ids, mask), first)
+        del marked
+        gc.collect()
+        assert torch.equal(compiled(ids, mask), first)
+    assert len(graphs) == 1, f"compiled {len(graphs)} times"
+    _reset_dynamo()
 
 
 @pytest.mark.parametrize("region", ["block", "attention"])

@@ -177,8 +177,13 @@ def _static_caches() -> bool:
         from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoPreTrainedModel
     except ImportError:
         return False
-    # up to 4.53 GPT-Neo says it does not support them (generate refuses); from 4.54 nothing stops them
-    return getattr(GPTNeoPreTrainedModel, "_supports_static_cache", True) is not False and TF_RELEASE >= (4, 54)
+    # generate refuses them where the model class says it lacks them: up to 4.53 by _supports_static_cache, on 4.54 -
+    # 4.55 by _can_compile_fullgraph (both False for GPT-Neo); from 4.56 it asks neither
+    if TF_RELEASE < (4, 54):
+        return getattr(GPTNeoPreTrainedModel, "_supports_static_cache", False) is True
+    if TF_RELEASE < (4, 56):
+        return getattr(GPTNeoPreTrainedModel, "_can_compile_fullgraph", False) is True
+    return True
 
 
 def _sink_caches() -> bool:
@@ -222,7 +227,7 @@ FEATURES.update(
 
 FEATURES["static caches"] = (
     (0, 0),
-    "generate(cache_implementation='static') works for GPT-Neo from transformers 4.54 (before, it is refused)",
+    "generate(cache_implementation='static') works for GPT-Neo from transformers 4.56 (before, it is refused)",
 )
 
 #: feature -> how to tell whether the installed packages have it (consulted first by :func:`has`)

@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Union
 from ._versions import TF_RELEASE
 
 #: The transformers releases of the tox matrix (tox.ini), where every entry below was measured.
-MEASURED = ((4, 26), (4, 30), (4, 36), (4, 40), (4, 45), (4, 48), (4, 53), (4, 57), (5, 0), (5, 10), (5, 25))
+MEASURED = ((4, 26), (4, 30), (4, 36), (4, 40), (4, 45), (4, 48), (4, 53), (4, 55), (4, 57), (5, 0), (5, 10), (5, 25))
 
 
 class Raises(NamedTuple):
@@ -63,6 +63,7 @@ ALL = "4.26-5.25"
 BATCH_SIZE = Raises(ValueError, "batch_size has to be defined and > 0")
 UNPACK = Raises(ValueError, "too many values to unpack (expected 2)")  # 4.36's 4D-mask helper
 TUPLE_CACHE = Raises(AttributeError, "'tuple' object has no attribute 'get_seq_length'")  # 4.57 on: tuples rejected
+TUPLE_CACHE_REFUSED = Raises(ValueError, "should be either a `Cache` object or `None`")  # 4.54 - 4.55: by name
 RESHAPE_EMPTY_4 = Raises(RuntimeError, "cannot reshape tensor of 0 elements into shape [-1, 0] because")
 RESHAPE_EMPTY_5 = Raises(RuntimeError, "cannot reshape tensor of 0 elements into shape [-1, 0, 32] because")
 INDICES_NOT_INTEGER = Raises(
@@ -136,6 +137,7 @@ VANILLA: dict[str, dict[str, Outcome]] = {
     "cache layer 2 shorter, legacy tuples": {
         "4.26-4.40": size(5, 6, 3),
         "4.45-4.53": ACCEPTED,
+        "4.55": TUPLE_CACHE_REFUSED,
         "4.57-5.25": TUPLE_CACHE,
     },
     "cache layer 3 shorter, Cache object": {
@@ -144,7 +146,11 @@ VANILLA: dict[str, dict[str, Outcome]] = {
         "5.10-5.25": size(5, 6, 3),
     },
     "cache layer 0 shorter": {ALL: size(6, 5, 3)},
-    "cache with fewer layers than the model": {"4.26-4.53": ACCEPTED, "4.57-5.25": TUPLE_CACHE},
+    "cache with fewer layers than the model": {
+        "4.26-4.53": ACCEPTED,
+        "4.55": TUPLE_CACHE_REFUSED,
+        "4.57-5.25": TUPLE_CACHE,
+    },
     # empty steps, wrong embedding widths
     "empty step with a cache": {"4.26-4.40": RESHAPE_EMPTY_4, "4.45-5.25": RESHAPE_EMPTY_5},
     "empty prefill": {

@@ -23,6 +23,7 @@ from neofix.testing import reference_greedy, tiny_gpt_neo
 
 from ._versions import cache_keyword, has, requires
 from .loops import patched_and_vanilla
+from .test_static_cache import static_cache as empty_static_cache
 
 PROMPT = 58  # of 64 positions: 7 new tokens fit (the last one generated is never fed back)
 
@@ -251,9 +252,7 @@ def test_static_cache_within_the_window_runs():
 
 def static_cache(model, prompt=None):
     """A static cache of 16 slots for ``model``, filled with ``prompt`` (2 rows) where one is given."""
-    from transformers.cache_utils import StaticCache
-
-    cache = StaticCache(config=model.config, max_cache_len=16)
+    cache = empty_static_cache(model, 2, 16)
     if prompt is not None:
         with torch.no_grad():
             model(input_ids=prompt, **{cache_keyword(model): cache})

@@ -23,7 +23,7 @@ import torch
 import neofix
 from neofix.testing import reference_greedy, tiny_gpt_neo, tiny_model
 
-from ._versions import DTYPE, cache_keyword, has, output_cache, requires
+from ._versions import DTYPE, TF_RELEASE, cache_keyword, has, output_cache, requires
 from ._sync import simulated_accelerator
 from .loops import left_padded_batch
 
@@ -39,9 +39,11 @@ def static_cache(model, batch, slots=SLOTS):
 
     parameters = inspect.signature(StaticCache.__init__).parameters
     kwargs = {"config": model.config, "max_cache_len": slots}
-    for name in ("batch_size", "max_batch_size"):  # up to 4.55 the rows and dtype are fixed up front
-        if name in parameters:
-            kwargs.update({name: batch, "dtype": model.dtype})
+    rows = next((name for name in ("batch_size", "max_batch_size") if name in parameters), None)
+    if rows is None and TF_RELEASE < (4, 56):  # 4.54 - 4.55 take (*args, **kwargs) and pass them on to the layers
+        rows = "max_batch_size"
+    if rows is not None:  # up to 4.55 the rows and dtype are fixed up front
+        kwargs.update({rows: batch, "dtype": model.dtype})
     if "device" in parameters and parameters["device"].default is inspect.Parameter.empty:  # and up to 4.43 the device
         kwargs["device"] = model.device
     return StaticCache(**kwargs)

@@ -144,8 +144,8 @@ def _read_cache(model: Any, call: dict, adapter: Adapter, eager: bool) -> CacheV
     view = NO_CACHE if cache is None else adapter.read_cache(cache, adapter.layers(model))
     if eager and view is not _caches.EVICTING:
         adapter.check_step(model, view, call)
-        if _RIGHT_PADDED and view.length != 0:
-            _check_right_padding(call)
+        if _RIGHT_PADDED:
+            _check_right_padding(call, view.length)
         if _BUILT and view.length:
             built = _built(given)  # (a legacy tuple by its first key: generate may return its cache's own tensors)
             if built is not None:
@@ -425,10 +425,15 @@ def _mark_built(output: Any, built: str | Offset | None) -> None:
             _remember(_BUILT, each, built)
 
 
-def _check_right_padding(kwargs: dict) -> None:
+def _check_right_padding(kwargs: dict, past: int | None) -> None:
+    """Say (strict mode: raise) that a step decodes from a cache a right-padded prompt filled (once per cache).  A
+    cache used again from its start (cropped to nothing, or reset) forgets it: its new prompt is judged afresh."""
     key = _cache_key(_caches.of_call(kwargs)[1])
     rows = _remembered(_RIGHT_PADDED, key)
     if rows is None:
+        return
+    if past == 0:
+        del _RIGHT_PADDED[id(key)]
         return
     named = f"row {rows[0]}" if len(rows) == 1 else f"rows {', '.join(map(str, rows))}"
     described = (

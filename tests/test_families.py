@@ -461,6 +461,7 @@ def test_the_longest_row_past_the_table_is_named(lm, adapter):
         f"so at most {size} real tokens fit in a row; shorten the prompt or generate fewer tokens"
     )
     assert (error.past, error.total, error.max_positions) == (0, size + 1, size)
+    assert isinstance(error.__cause__, IndexError)  # the position lookup's own error, kept as the cause
 
 
 def test_given_positions_past_the_table_are_named(lm, adapter):
@@ -485,6 +486,7 @@ def test_given_positions_past_the_table_are_named(lm, adapter):
             f"[0, {size - 1}]; pass none and OPT derives them from the mask"
         )
         assert (error.past, error.total, error.max_positions) == (0, reach + 1, size)
+        assert isinstance(error.__cause__, IndexError)
 
 
 def test_left_padding_past_the_table_in_columns_runs_as_vanilla(lm, lm32, adapter):

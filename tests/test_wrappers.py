@@ -226,6 +226,36 @@ def test_decoding_from_a_right_padded_prompt_warns_once_in_repair_mode(model, ro
     assert told == [f"neofix: {described(rows)}. To fix: {FIX}. Reported once."]
 
 
+@requires("attention layers get the whole cache")  # (before 4.45 GPT-Neo returns a new tuple at every step)
+@pytest.mark.parametrize("again", ["unpadded", "right-padded"])
+def test_a_cache_used_again_from_its_start_is_judged_by_its_new_prompt(model, strict, again):
+    """A cache a right-padded prompt filled, cropped to nothing and filled again (a cache kept for the next request):
+    its steps are judged by the new prompt.  Unpadded, they decode as from a fresh cache (the old prompt's right
+    padding was still said, in strict mode a MaskValueError); right-padded, they are refused as it is."""
+    from transformers import DynamicCache
+
+    keyword = cache_keyword(model)
+    second = ones(3, 5) if again == "unpadded" else right_padded_mask(5, (1,))
+
+    def prompt_then_step(cache):
+        filled = output_cache(model(input_ids=ones(3, 5), attention_mask=second, use_cache=True, **{keyword: cache}))
+        return model(input_ids=ones(3, 1), attention_mask=torch.cat([second, ones(3, 1)], -1), use_cache=True,
+                     **{keyword: filled}).logits
+
+    with torch.no_grad():
+        cache = output_cache(
+            model(input_ids=ones(3, 5), attention_mask=right_padded_mask(5, (0, 2)), use_cache=True,
+                  **{keyword: DynamicCache()})
+        )
+        cache.crop(-cache.get_seq_length())  # (4.x also reads crop(0) so; 5.x only this)
+        assert cache.get_seq_length() == 0
+        if again == "right-padded":
+            with pytest.raises(neofix.MaskValueError, match="right padding in row 1:"):
+                prompt_then_step(cache)
+            return
+        assert torch.equal(prompt_then_step(cache), prompt_then_step(DynamicCache()))
+
+
 def test_a_right_padded_prompt_run_with_return_dict_false_is_still_followed(model, strict):
     """``return_dict=False`` returns ``(hidden, cache)``: the cache in that tuple is the one followed."""
     with torch.no_grad():

@@ -284,8 +284,8 @@ def _call(
         raise
     if right_padded:
         _mark_right_padded(output, right_padded)
-    # (eager first: a compiled call reads no registry, or dynamo guards on it, and compiles again once it changes)
-    if eager and (view.length == 0 or view.built) and (built is not None or _BUILT) and adapter.positions.taken:
+    # (eager before the registry: a compiled call reads none, or dynamo guards on it and compiles again once it changes)
+    if (view.length == 0 or view.built) and eager and (built is not None or _BUILT) and adapter.positions.taken:
         if view.length:  # a prompt, or a step after a cache marked (a legacy tuple is new each step); a prompt that
             built = view.built  # builds with nothing to mark has no mark to drop either, where none is kept
         _mark_built(output, built)

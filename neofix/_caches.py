@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ._compat import release
 from ._core import NO_CACHE, CacheView
 
 #: Key layout: the dimension of each of (batch, heads, tokens, head_dim) in a layer's key tensor.
@@ -211,8 +212,6 @@ def layer_length(layer_past: Any, layer_idx: int | None) -> int | None:
 def from_legacy(legacy: Any, config: Any) -> Any:
     """A ``DynamicCache`` holding a legacy ``((key, value), ...)`` cache, built without deprecation warnings."""
     from transformers.cache_utils import DynamicCache
-
-    from ._compat import release
 
     if release() >= (4, 56):  # (4.54 - 4.55 take ddp_cache_data, but given the config they fail to build its layers)
         return DynamicCache(ddp_cache_data=legacy, config=config)

@@ -181,8 +181,7 @@ def keeps_every_rule(
     facts = read_values(input_ids, None, positions, given, compare, mask, new, past, limits, None, scheme)
     check_values(facts, input_ids, None, positions, mask, limits)
     kept = positions_kept(facts, compare, derive, cache.built) and not rows_to_mark(facts, past)
-    unpositioned = kind.rotary and not given and past == 0 and mask is not None
-    kept = kept and built_by(facts, scheme, unpositioned, kind.compared) is None
+    kept = kept and built_by(facts, scheme, kind, given, past, mask is not None) is None
     return kept, facts
 
 

@@ -101,8 +101,7 @@ def settle(
         )
         check_values(facts, step.input_ids, step.token_types, step.positions, step.mask, limits)
     positions = _positions_from(facts, step, compare, derive, policy, repairs)
-    unpositioned = policy.positions.rotary and not step.given and step.past == 0 and step.mask is not None
-    built = built_by(facts, scheme, unpositioned, policy.positions.compared)
+    built = built_by(facts, scheme, policy.positions, step.given, step.past, step.mask is not None)
     return Settled(positions, None, rows_to_mark(facts, step.past), built)
 
 
@@ -179,20 +178,22 @@ def rows_to_mark(facts: Facts, past: int | None) -> tuple[int, ...]:
     return facts.right_padded if past == 0 else ()
 
 
-def built_by(facts: Facts, scheme: bool, unpositioned: bool = False, table: bool = False) -> str | Offset | None:
+def built_by(
+    facts: Facts, scheme: bool, kind: Positions, given: bool, past: int | None, mask_2d: bool
+) -> str | Offset | None:
     """The positions a rotary prompt's cache is built with, where its values tell (``scheme``: the prompt's given
     positions were read): ``BY_MASK`` where every real token is at the mask's position and a row has a pad before a
     real token (there the mask's and the columns differ); ``BY_COLUMNS`` where every one is at its column and the mask's
     differ; an :class:`~._types.Offset` where every one is at the mask's plus the same number (told from the columns
     plus it where a row has a pad before a real token); ``BY_GIVEN`` where they are none of these (the caller's own
     scheme); else ``None`` (the two schemes agree on every real token: either continues the cache).  A rotary prompt
-    given none (``unpositioned``, with a 2D mask) builds it with transformers' own, ``BY_COLUMNS``, where a row has a
-    pad before a real token (else ``None``: the two agree)."""
-    if unpositioned:
+    given none (``given`` false, without a cache, with a 2D mask) builds it with transformers' own, ``BY_COLUMNS``,
+    where a row has a pad before a real token (else ``None``: the two agree).  ``kind``: the family's positions."""
+    if kind.rotary and not given and past == 0 and mask_2d:
         return BY_COLUMNS if facts.left else None
     if not scheme:
         return None
-    if table:  # a family with a position table: its prompt's positions are the mask's (repaired there where they count
+    if kind.compared:  # a family with a position table: its prompt's positions are the mask's (repaired there where they count
         return Offset(facts.offset, facts.left) if facts.offset and not facts.counts_pads else None  # the pads) or off
     if not facts.wrong:
         return BY_MASK if facts.left else None

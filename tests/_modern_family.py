@@ -160,8 +160,8 @@ def test_the_family_is_patched_without_a_position_limit(family):
     assert getattr(base.forward, "__neofix_wrapper__", False)
     states = {name: state for name, state, _ in neofix._lifecycle.status()}
     named = neofix._lifecycle.target_name
-    # the float64 causal-mask helpers (Llama 4.36 - 4.37, Mistral 4.36 - 4.41, Qwen2 4.37 - 4.41): patched where the
-    # release's module builds its mask through them, skipped elsewhere
+    # the float64 causal-mask helpers (Llama 4.36 - 4.37, Mistral and Phi 4.36 - 4.41, Qwen2 4.37 - 4.41): patched
+    # where the release's module builds its mask through them, skipped elsewhere
     helpers = {
         named(declared, target): "patched"
         if _compat.in_range(target.since, target.until) and hasattr(module, target.attribute)
@@ -178,8 +178,10 @@ def test_the_family_is_patched_without_a_position_limit(family):
     adapter = declared.load_adapter()
     limits = adapter.limits(tiny_model(family).config)
     assert limits.max_positions is None
-    # the key-value heads of the cache (grouped-query attention; Llama before 4.31 has none: every query head's)
-    assert (limits.heads, limits.head_dim) == (4 if family == "llama" and TF_RELEASE < (4, 31) else 2, 8)
+    # the key-value heads of the cache (grouped-query attention; Llama before 4.31 and Phi before 4.37 have none:
+    # every query head's)
+    every_head = (family == "llama" and TF_RELEASE < (4, 31)) or (family == "phi" and TF_RELEASE < (4, 37))
+    assert (limits.heads, limits.head_dim) == (4 if every_head else 2, 8)
 
 
 # -- hand-written loops against the reference --------------------------------------------------------------------------

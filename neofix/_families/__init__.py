@@ -246,8 +246,8 @@ def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, 
     )
 
 
-# Llama, Mistral, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has them;
-# Qwen2, Qwen3 and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does: through the
+# Llama, Mistral, Gemma, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has
+# them; Phi, Qwen2, Qwen3 and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does: through the
 # helpers below).  Before 4.42 several of them build their causal mask through transformers' helpers, which overflow
 # in float64 (vanilla cannot run a float64 model there; neofix can).
 LLAMA = _rotary(
@@ -273,6 +273,12 @@ GEMMA2 = _rotary(
     untested="4.42 - 4.44 are not tested: no release of the test matrix has them",
 )
 GEMMA3 = _rotary("gemma3", "Gemma3", "Gemma3TextModel", "Gemma3ForCausalLM", "4.50")
+GEMMA = _rotary(
+    "gemma", "Gemma", "GemmaModel", "GemmaForCausalLM", "4.38",
+    patched_from="4.40",
+    untested="4.38 - 4.39 are not tested: no release of the test matrix has them",
+)
+PHI = _rotary("phi", "Phi", "PhiModel", "PhiForCausalLM", "4.36", *_rotary_float64_masks("Phi", "4.36", "4.42"))
 PHI3 = _rotary(
     "phi3", "Phi3", "Phi3Model", "Phi3ForCausalLM", "4.41",
     patched_from="4.45",
@@ -282,7 +288,10 @@ PHI3 = _rotary(
 #: Every family neofix patches, by name.
 FAMILIES: dict[str, Family] = {
     family.name: family
-    for family in (GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3)
+    for family in (
+        GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM,
+        LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI, PHI3,
+    )
 }
 
 _COUNTS = dict(enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "

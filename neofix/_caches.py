@@ -1,8 +1,8 @@
 """Reading transformers' KV caches into a :class:`~neofix._core.CacheView`, on every supported release.
 
 The one place that knows the cache formats: legacy tuples of per-layer ``(key, value)`` pairs (every release;
-GPT-Neo's forward rejects them from 4.54), ``Cache`` objects holding parallel ``key_cache`` lists (4.36 - 4.55) or
-one object per layer in ``layers`` (4.56 and later), and static caches, whose length is a tensor (reading it would
+GPT-Neo's forward rejects them from 4.54), ``Cache`` objects holding parallel ``key_cache`` lists (4.36 - 4.53) or
+one object per layer in ``layers`` (4.54 and later), and static caches, whose length is a tensor (reading it would
 synchronise with the device) and whose keys are preallocated to a fixed capacity.  Only shapes are read.
 
 Keys are laid out ``(batch, heads, tokens, head_dim)`` unless a family's adapter says otherwise (``key_layout``).
@@ -34,16 +34,33 @@ _new = tuple.__new__
 EVICTING = CacheView(None, None, None, None, None, None, "evicting")
 
 
+#: transformers 4.54 - 4.55: a cache of layers may carry a processor (quantization, offloading)
+_PROCESSORS = (4, 54) <= release() < (4, 56)
+#: A cache whose length its shapes do not tell: a call over one is checked as one over a cache of unknown length.
+UNTOLD = CacheView(None, None, None, None, None, None, "unknown")
+
+
 def read(cache: Any, layers: int, key_layout: tuple[int, int, int, int] = BHSD) -> CacheView:
     """What ``cache`` holds for a model of ``layers`` layers; shapes only."""
     cache_layers = getattr(cache, "layers", None)
-    if type(cache_layers) is list:  # transformers >= 4.56: one object per layer (the hot path of every decode step)
+    if type(cache_layers) is list:  # transformers >= 4.54: one object per layer (the hot path of every decode step)
+        if _PROCESSORS and _quantizes(cache):
+            return UNTOLD
         return _read_layers(cache_layers, layers, key_layout)
     if cache is None:
         return NO_CACHE
     if type(cache) is tuple or type(cache) is list:
         return _read_legacy(cache, layers, key_layout)
     return _read_key_cache(cache, layers, key_layout)
+
+
+def _quantizes(cache: Any) -> bool:
+    """Whether a cache of transformers 4.54 - 4.55 quantizes what it holds.  Its layers then hold only the tokens not
+    quantized yet (none after the prompt), and its ``get_seq_length()`` adds a count of the quantized ones that every
+    layer's quantization adds to again: two layers that quantize 2 tokens each add 4 (read in the 4.54 and 4.55
+    sources, measured with a lossless quantization).  Neither tells the tokens held."""
+    processor = getattr(cache, "cache_processor", None)
+    return processor is not None and hasattr(processor, "erased_length")
 
 
 def _read_legacy(cache: Any, layers: int, layout: tuple[int, int, int, int]) -> CacheView:
@@ -134,7 +151,7 @@ def _usual_layer() -> Any:
 
 
 def _read_key_cache(cache: Any, layers: int, layout: tuple[int, int, int, int]) -> CacheView:
-    """transformers 4.36 - 4.55: a Cache object with parallel key/value lists (or, 4.38 - 4.40's StaticCache, one per
+    """transformers 4.36 - 4.53: a Cache object with parallel key/value lists (or, 4.38 - 4.40's StaticCache, one per
     attention layer, one layer's keys), or one that only answers ``get_seq_length``."""
     get_seq_length = getattr(cache, "get_seq_length", None)
     if get_seq_length is None:
@@ -149,6 +166,10 @@ def _read_key_cache(cache: Any, layers: int, layout: tuple[int, int, int, int]) 
         except (AttributeError, IndexError, TypeError, ValueError):
             length = None
         lengths.append(length if type(length) is int else None)
+    quantized = getattr(cache, "_quantized_key_cache", None)
+    if type(quantized) is list:  # 4.42 - 4.53's QuantizedCache: every layer but the first answers one token less than
+        # it holds (a count transformers' attention reads in the middle of a forward), so each holds the first's count
+        lengths = [lengths[0] if i < len(quantized) else 0 for i in range(layers)]
     past = lengths[0] if lengths else None
     key_cache = getattr(cache, "key_cache", None)
     if isinstance(key_cache, _Tensor):  # 4.38 - 4.40's StaticCache: one per attention layer, its keys one tensor

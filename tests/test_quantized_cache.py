@@ -162,3 +162,29 @@ def test_a_stale_mask_over_a_quantized_cache_is_extended_where_its_length_is_tol
     else:
         assert patched == reference(lm, ids, mask)
         assert len(told) == 1 and "attention_mask" in told[0]
+
+
+def test_generate_continuing_a_quantized_cache_is_vanilla(lm):
+    """``generate`` given a quantized cache that already holds a prompt and its decoded tokens (flushed into the
+    quantized part), and the whole sequence plus three new tokens: neofix gives vanilla's outcome and says nothing.
+    (On 4.54 - 4.55 the cache's count overstates what it holds, and generate slices the new tokens by it, in vanilla
+    too: the outcome is vanilla's, not the reference's.)"""
+    ids, mask = PROMPTS["unpadded"]
+
+    def continued():
+        cache = lossless_quantized_cache()
+        with torch.no_grad():
+            out = lm(input_ids=ids, attention_mask=mask, **{cache_keyword(lm): cache}, use_cache=True)
+            cache, sequence = output_cache(out), ids
+            for _ in range(3):
+                sequence = torch.cat([sequence, out.logits[:, -1:].argmax(-1)], -1)
+                out = lm(input_ids=sequence[:, -1:], attention_mask=torch.ones_like(sequence),
+                         **{cache_keyword(lm): cache}, use_cache=True)
+                cache = output_cache(out)
+            sequence = torch.cat([sequence, torch.tensor([[7, 8, 9], [10, 11, 12]])], -1)
+        return lm.generate(sequence, attention_mask=torch.ones_like(sequence), past_key_values=cache,
+                           max_new_tokens=STEPS, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    (patched, told), (plain, _) = patched_and_vanilla(lambda: outcome(continued))
+    assert told == []
+    assert patched == plain

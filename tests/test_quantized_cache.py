@@ -18,7 +18,11 @@ import warnings
 
 import pytest
 import torch
-from transformers import cache_utils
+
+try:
+    from transformers import cache_utils
+except ImportError:  # transformers before 4.36
+    cache_utils = None
 
 import neofix
 from neofix.testing import reference_greedy, tiny_model

@@ -247,9 +247,9 @@ def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, 
 
 
 # Llama, Mistral, Gemma, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has
-# them; Phi, Qwen2, Qwen3 and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does: through the
-# helpers below).  Before 4.42 several of them build their causal mask through transformers' helpers, which overflow
-# in float64 (vanilla cannot run a float64 model there; neofix can).
+# them; Phi, Qwen2, Qwen3 and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does:
+# through the helpers below).  Before 4.42 several of them build their causal mask through transformers' helpers,
+# which overflow in float64 (vanilla cannot run a float64 model there; neofix can).
 LLAMA = _rotary(
     "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
     *_rotary_float64_masks("Llama", "4.36", "4.38"),

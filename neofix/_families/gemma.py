@@ -12,12 +12,12 @@ from .. import _compat
 from .._core import Positions
 from . import GEMMA
 from ._contract import Adapter, make_layers, read_window_cache
-from .llama import held_cache, limits
+from .llama import held_cache, rotary_limits
 
 ADAPTER = Adapter(
     family=GEMMA,
     positions=Positions.ROTARY,
-    limits=limits,
+    limits=rotary_limits(),  # the config's head_dim on every release
     layers=make_layers("layers", run="num_hidden_layers"),
     read_cache=read_window_cache,
     legacy_cache_rejected=_compat.release() >= (4, 48),

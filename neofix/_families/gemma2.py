@@ -34,7 +34,7 @@ from .._core import CacheView, Positions
 from .._errors import AttentionWindowError, MaskValueError
 from . import GEMMA2
 from ._contract import Adapter, make_layers, no_check, read_window_cache
-from .llama import limits
+from .llama import rotary_limits
 
 #: transformers' HybridCache decodes left-padded rows wrong before 4.48 (PR 35681)
 HYBRID_CACHE_MISREADS_LEFT_PADDING = _compat.release() < (4, 48)
@@ -117,7 +117,7 @@ def check_hybrid_prefill(model: Any, cache: CacheView, call: dict) -> None:
 ADAPTER = Adapter(
     family=GEMMA2,
     positions=Positions.ROTARY,
-    limits=limits,
+    limits=rotary_limits(),  # the config's head_dim on every release
     layers=make_layers("layers", run="num_hidden_layers"),
     read_cache=read_window_cache,
     check_step=check_step if GROWING_CACHE_MISREAD_PAST_WINDOW else no_check,

@@ -15,12 +15,12 @@ from .._core import Positions
 from . import GEMMA3
 from ._contract import Adapter, make_layers, no_check, read_window_cache
 from .gemma2 import GROWING_CACHE_MISREAD_PAST_WINDOW, check_past_window
-from .llama import limits
+from .llama import rotary_limits
 
 ADAPTER = Adapter(
     family=GEMMA3,
     positions=Positions.ROTARY,
-    limits=limits,
+    limits=rotary_limits(),  # the config's head_dim on every release
     layers=make_layers("layers", run="num_hidden_layers"),
     read_cache=read_window_cache,
     check_step=check_past_window if GROWING_CACHE_MISREAD_PAST_WINDOW else no_check,

@@ -36,7 +36,7 @@ Measured with tiny random models (``neofix.testing.tiny_model("llama")``), vanil
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .. import _compat
 from .._core import Limits, Positions
@@ -44,24 +44,37 @@ from . import LLAMA
 from ._contract import Adapter, make_layers
 
 
-#: Llama's attention reads ``num_key_value_heads`` (grouped-query attention) from 4.31; 4.28 - 4.30 give the cache
-#: every query head, whatever the config says (the config keeps any keyword it is given).
-GROUPED_QUERY = _compat.release() >= (4, 31)
+def rotary_limits(
+    *, grouped_query_from: tuple[int, int] | None = None, head_dim_from: tuple[int, int] | None = None
+) -> Callable[[Any], Limits]:
+    """``limits(config)`` for a decoder of Llama's shape: no position table (rotary: running past
+    ``max_position_embeddings`` is no error); the cache's keys have the key-value heads of ``head_dim`` each.  On
+    transformers releases before ``grouped_query_from`` the attention gives the cache every query head, and before
+    ``head_dim_from`` it takes ``hidden_size // num_attention_heads`` for a head's width, whatever the config says (a
+    config may carry either: a checkpoint saved by a newer release, a config built with them); ``None``: it reads the
+    config on every release that has the family."""
+    grouped = grouped_query_from is None or _compat.release() >= grouped_query_from
+    own_head_dim = head_dim_from is None or _compat.release() >= head_dim_from
+
+    def limits(config: Any) -> Limits:
+        heads = config.num_attention_heads
+        key_value_heads = (getattr(config, "num_key_value_heads", None) if grouped else None) or heads
+        head_dim = (getattr(config, "head_dim", None) if own_head_dim else None) or config.hidden_size // heads
+        return Limits(
+            max_positions=None,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            heads=key_value_heads,
+            head_dim=head_dim,
+        )
+
+    return limits
 
 
-def limits(config: Any) -> Limits:
-    """No position table (rotary: running past ``max_position_embeddings`` is no error); the cache's keys have the
-    key-value heads (grouped-query attention, 4.31 on) of ``head_dim`` each."""
-    heads = config.num_attention_heads
-    key_value_heads = (getattr(config, "num_key_value_heads", None) if GROUPED_QUERY else None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return Limits(
-        max_positions=None,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        heads=key_value_heads,
-        head_dim=head_dim,
-    )
+#: Llama's attention reads ``num_key_value_heads`` (grouped-query attention) from 4.31 (4.28 - 4.30 give the cache
+#: every query head, whatever the config says: the config keeps any keyword it is given), and ``head_dim`` from 4.45
+#: (read in the 4.44 and 4.45 sources).
+limits = rotary_limits(grouped_query_from=(4, 31), head_dim_from=(4, 45))
 
 
 def held_cache(model: Any) -> Any:

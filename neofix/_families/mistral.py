@@ -31,12 +31,12 @@ from .. import _compat
 from .._core import Positions
 from . import MISTRAL
 from ._contract import Adapter, make_layers, read_window_cache
-from .llama import limits  # Llama's: no position table, the key-value heads of head_dim each
+from .llama import rotary_limits
 
 ADAPTER = Adapter(
     family=MISTRAL,
     positions=Positions.ROTARY,
-    limits=limits,
+    limits=rotary_limits(head_dim_from=(4, 43)),  # the config's head_dim from 4.43
     layers=make_layers("layers", run="num_hidden_layers"),  # MistralModel's decoder layers
     read_cache=read_window_cache,
     # the window is the attention's own (its mask, or its sliding-window cache layers): no check of its own.  Legacy

@@ -13,12 +13,12 @@ from .. import _compat
 from .._core import Positions
 from . import PHI3
 from ._contract import Adapter, make_layers, read_window_cache
-from .llama import limits
+from .llama import rotary_limits
 
 ADAPTER = Adapter(
     family=PHI3,
     positions=Positions.ROTARY,
-    limits=limits,
+    limits=rotary_limits(head_dim_from=(4, 48)),  # the config's head_dim from 4.48
     layers=make_layers("layers", run="num_hidden_layers"),
     read_cache=read_window_cache,
     legacy_cache_rejected=_compat.release() >= (4, 48),

@@ -10,12 +10,12 @@ from __future__ import annotations
 from .._core import Positions
 from . import QWEN3
 from ._contract import Adapter, make_layers, read_window_cache
-from .llama import limits
+from .llama import rotary_limits
 
 ADAPTER = Adapter(
     family=QWEN3,
     positions=Positions.ROTARY,
-    limits=limits,
+    limits=rotary_limits(),  # the config's head_dim on every release
     layers=make_layers("layers", run="num_hidden_layers"),
     read_cache=read_window_cache,
     legacy_cache_rejected=True,

@@ -178,16 +178,12 @@ FAMILY_CONFIGS["gemma3"] = (
 )
 #: Gemma: Llama's shape with ``head_dim`` set (its default is 256).
 FAMILY_CONFIGS["gemma"] = ("GemmaConfig", "GemmaForCausalLM", dict(FAMILY_CONFIGS["llama"][2], head_dim=8))
-#: Phi (Phi-1, Phi-1.5, Phi-2): rotary positions on half of each head (``partial_rotary_factor``), no grouped-query
-#: attention before 4.38 (its config takes ``num_key_value_heads`` from then).
+#: Phi (Phi-1, Phi-1.5, Phi-2): Llama's shape with rotary positions on half of each head (``partial_rotary_factor``;
+#: 4.36 gives the cache every query head: its config takes no ``num_key_value_heads``).
 FAMILY_CONFIGS["phi"] = (
     "PhiConfig",
     "PhiForCausalLM",
-    dict(
-        _COMMON, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0,
-        attention_dropout=0.0, initializer_range=0.3,
-    ),
+    dict(FAMILY_CONFIGS["llama"][2], partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0),
 )
 #: Phi3: Llama's shape with fused projections (no sliding window).
 FAMILY_CONFIGS["phi3"] = (

@@ -193,8 +193,9 @@ def built_by(
         return BY_COLUMNS if facts.left else None
     if not scheme:
         return None
-    if kind.compared:  # a family with a position table: its prompt's positions are the mask's (repaired there where they count
-        return Offset(facts.offset, facts.left) if facts.offset and not facts.counts_pads else None  # the pads) or off
+    if kind.compared:  # a family with a position table: its prompt's positions are the mask's (repaired there where
+        # they count the pads) or offset from them
+        return Offset(facts.offset, facts.left) if facts.offset and not facts.counts_pads else None
     if not facts.wrong:
         return BY_MASK if facts.left else None
     if facts.columns:

@@ -158,6 +158,14 @@ FAMILY_CONFIGS["mistral"] = (
     "MistralForCausalLM",
     dict(FAMILY_CONFIGS["llama"][2], sliding_window=4),
 )
+#: Mixtral: Mistral's shape (window 4) with four experts, two per token, run one by one (``experts_implementation``
+#: "eager", read from 5.0: the grouped matrix products 5.x picks by default take no float64; earlier releases keep the
+#: keyword as an attribute they never read).
+FAMILY_CONFIGS["mixtral"] = (
+    "MixtralConfig",
+    "MixtralForCausalLM",
+    dict(FAMILY_CONFIGS["mistral"][2], num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager"),
+)
 
 #: Qwen2: Llama's shape with biased query, key and value projections (no sliding window: ``use_sliding_window`` off).
 FAMILY_CONFIGS["qwen2"] = ("Qwen2Config", "Qwen2ForCausalLM", dict(FAMILY_CONFIGS["llama"][2]))

@@ -754,7 +754,7 @@ def test_generate_is_bit_identical_to_vanilla(lm, kwargs):
 def test_a_head_dim_the_attention_ignores_is_not_read(family):
     """A config carrying a ``head_dim`` other than ``hidden_size // num_attention_heads`` (a checkpoint saved by a
     newer release, a config built with one): on the releases whose attention ignores it (Llama before 4.45, Mistral
-    before 4.43, Qwen2, Phi and Phi3 before 4.48), the cache's keys are ``hidden_size // heads`` wide, and neofix refused
+    before 4.43, Mixtral before 4.47, Qwen2, Phi and Phi3 before 4.48), the cache's keys are ``hidden_size // heads`` wide, and neofix refused
     the first cached step as a cache "built by another model".  Everywhere: vanilla's outcome, said nothing."""
     model = tiny_model(family, seed=0, dtype=torch.float32, head_dim=16)  # 4 heads of a width-32 model: 8 each
     ids, mask = left_padded_batch(ROWS, seed=3)

@@ -247,9 +247,9 @@ def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, 
 
 
 # Llama, Mistral, Gemma, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has
-# them; Phi, Qwen2, Qwen3 and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does:
-# through the helpers below).  Before 4.42 several of them build their causal mask through transformers' helpers,
-# which overflow in float64 (vanilla cannot run a float64 model there; neofix can).
+# them; Phi, Mixtral, Qwen2, Qwen3 and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40
+# does: through the helpers below).  Before 4.42 several of them build their causal mask through transformers'
+# helpers, which overflow in float64 (vanilla cannot run a float64 model there; neofix can).
 LLAMA = _rotary(
     "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
     *_rotary_float64_masks("Llama", "4.36", "4.38"),
@@ -279,6 +279,10 @@ GEMMA = _rotary(
     untested="4.38 - 4.39 are not tested: no release of the test matrix has them",
 )
 PHI = _rotary("phi", "Phi", "PhiModel", "PhiForCausalLM", "4.36", *_rotary_float64_masks("Phi", "4.36", "4.42"))
+MIXTRAL = _rotary(
+    "mixtral", "Mixtral", "MixtralModel", "MixtralForCausalLM", "4.36",
+    *_rotary_float64_masks("Mixtral", "4.36", "4.42"),
+)
 PHI3 = _rotary(
     "phi3", "Phi3", "Phi3Model", "Phi3ForCausalLM", "4.41",
     patched_from="4.45",
@@ -290,7 +294,7 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM,
-        LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI, PHI3,
+        LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI, PHI3,
     )
 }
 

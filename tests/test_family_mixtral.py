@@ -1,0 +1,16 @@
+"""Mixtral (transformers 4.36 and later): the modern decoders' scenarios (:mod:`tests._modern_family`) on a tiny
+random Mixtral (``neofix.testing.FAMILY_CONFIGS["mixtral"]``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ._modern_family import *  # noqa: F401,F403 - the scenarios, collected here for this family
+from ._modern_family import skip_unless_available
+
+skip_unless_available("mixtral", "4.36")
+
+
+@pytest.fixture(scope="module")
+def family():
+    return "mixtral"

@@ -63,17 +63,29 @@ def _quantizes(cache: Any) -> bool:
     return processor is not None and hasattr(processor, "erased_length")
 
 
+def layer_key(layer: Any) -> Any:
+    """A legacy cache layer's key: its first entry, of a ``(key, value)`` pair or of one tensor stacking the two (PEFT's
+    prefix tuning passes ``(2, batch, heads, tokens, head_dim)`` tensors, which transformers only indexes); ``None``
+    for a missing or empty layer.  Never a tensor's truth value, which raises for more than one element."""
+    return layer[0] if layer is not None and len(layer) else None
+
+
+def first_key(cache: Any) -> Any:
+    """A legacy cache's first key (see :func:`layer_key`), ``None`` for none, an empty one or ``(None,) * layers``."""
+    return layer_key(cache[0]) if cache else None
+
+
 def _read_legacy(cache: Any, layers: int, layout: tuple[int, int, int, int]) -> CacheView:
-    if not cache or cache[0] is None or not cache[0] or cache[0][0] is None:
+    key = first_key(cache)
+    if key is None:
         return CacheView(0, None, (0,) * layers if cache else None, None, None, None, "legacy")
     b, h, s, d = layout
     lengths = []
     for layer in cache[:layers]:
-        key = layer[0] if layer else None
-        lengths.append(key.shape[s] if key is not None else 0)
+        layer_past = layer_key(layer)
+        lengths.append(layer_past.shape[s] if layer_past is not None else 0)
     if len(lengths) < layers:
         lengths += [0] * (layers - len(lengths))
-    key = cache[0][0]
     shape = key.shape
     if len(shape) != 4:
         return CacheView(lengths[0], None, tuple(lengths), None, None, None, "legacy")
@@ -207,9 +219,8 @@ def length(cache: Any) -> int | None:
     if cache is None:
         return 0
     if isinstance(cache, (tuple, list)):
-        if not cache or cache[0] is None or not cache[0] or cache[0][0] is None:
-            return 0
-        return cache[0][0].shape[-2]  # type: ignore[no-any-return]
+        key = first_key(cache)
+        return 0 if key is None else key.shape[-2]
     get_seq_length = getattr(cache, "get_seq_length", None)
     if get_seq_length is None:
         return None
@@ -222,8 +233,9 @@ def layer_length(layer_past: Any, layer_idx: int | None) -> int | None:
     with the layer's index)."""
     if layer_past is None:
         return 0
-    if isinstance(layer_past, (tuple, list)):
-        return layer_past[0].shape[-2] if len(layer_past) and layer_past[0] is not None else 0
+    if isinstance(layer_past, (tuple, list, _Tensor)):  # (a tensor: a pair stacked, see layer_key)
+        key = layer_key(layer_past)
+        return 0 if key is None else key.shape[-2]
     if layer_idx is None:
         return None
     held = layer_past.get_seq_length(layer_idx)

@@ -112,8 +112,7 @@ def _already_reordered(cache: Any, held: Any) -> bool:
     else:
         key_cache = getattr(held, "key_cache", None)
         key = key_cache[0] if key_cache else None
-    first = cache[0]
-    return key is not None and bool(first) and first[0] is key
+    return key is not None and _caches.first_key(cache) is key
 
 
 def _reorder_cache(cache: Any, index: torch.Tensor) -> Any:

@@ -559,6 +559,33 @@ def test_a_cache_given_as_a_list_gets_vanillas_outcome(lm32):
     assert_same_outcome(*(getattr(outcome, "logits", outcome) for outcome in (patched, plain)))
 
 
+def test_a_legacy_cache_of_stacked_layers_gets_vanillas_outcome(lm32):
+    """PEFT's prefix tuning (peft 0.13) passes a legacy cache each of whose layers is one tensor stacking key and value
+    (``(2, batch, heads, tokens, head_dim)``, split from its virtual tokens' table), which transformers only indexes.
+    neofix took such a layer's truth value (``RuntimeError: Boolean value of Tensor with more than one value is
+    ambiguous``); now the step ends as the same cache given as pairs, and, where the release takes tuples, as it does
+    unpatched (the same logits, or an error of the same type).  Unpadded rows: vanilla's positions are right there."""
+    ids, mask = left_padded_batch([6, 6])
+    key = cache_keyword(lm32)
+    longer = torch.cat([mask, mask.new_ones(2, 1)], -1)
+    with torch.no_grad():
+        pairs = legacy(output_cache(lm32(input_ids=ids, attention_mask=mask, use_cache=True)))
+    if pairs[0][0].shape != pairs[0][1].shape:
+        pytest.skip(f"transformers {transformers.__version__}: BLOOM's fused keys and values cannot be stacked")
+    stacked = tuple(torch.stack(layer[:2]) for layer in pairs)
+
+    def step(cache):
+        with torch.no_grad():
+            out, _ = run(lambda: lm32(input_ids=ids[:, -1:], attention_mask=longer, use_cache=True, **{key: cache}))
+        return getattr(out, "logits", out)
+
+    patched, plain = both(stacked, step)
+    as_pairs, plain_pairs = both(pairs, step)
+    assert_same_outcome(patched, as_pairs)
+    if not isinstance(plain_pairs, Exception):  # (a release that takes no tuple: neofix wraps it, stacked or not)
+        assert_same_outcome(patched, plain)
+
+
 def test_a_bloom_cache_of_other_heads_is_refused_naming_them():
     """BLOOM: the cache of a BLOOM with 2 heads of width 16, passed to one with 4 heads of width 8, is refused before
     the model runs.  Up to 4.43 the cache is fused (keys ``(batch * heads, head_dim, tokens)``, rows the model's head

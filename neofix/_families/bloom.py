@@ -71,9 +71,9 @@ def read_fused(cache: Any, layer_count: int) -> CacheView:
     ``(batch * heads, tokens, head_dim)``.  Its batch is ``batch * heads // heads``, told only when ``layer_count`` is
     a :class:`LayerCount` (the model's head count); else the batch is left unchecked, as the cache's width is."""
     layers = int(layer_count)
-    if not cache or cache[0] is None or not cache[0] or cache[0][0] is None:  # no cache, or (None,) * layers
+    key = _caches.first_key(cache)
+    if key is None:  # no cache, or (None,) * layers
         return CacheView(0, None, (0,) * layers if cache else None, None, None, None, "legacy")
-    key = cache[0][0]
     if key.dim() == 4:
         raise InputShapeError(
             f"the cache holds keys of shape {tuple(key.shape)}: the standard layout (batch, heads, head_dim, tokens) "
@@ -83,7 +83,7 @@ def read_fused(cache: Any, layer_count: int) -> CacheView:
         )
     lengths = []
     for layer in cache[:layers]:
-        layer_key = layer[0] if layer else None
+        layer_key = _caches.layer_key(layer)
         lengths.append(layer_key.shape[-1] if layer_key is not None and layer_key.dim() == 3 else 0)
     if len(lengths) < layers:
         lengths += [0] * (layers - len(lengths))

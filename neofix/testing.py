@@ -171,6 +171,15 @@ FAMILY_CONFIGS["mixtral"] = (
 FAMILY_CONFIGS["qwen2"] = ("Qwen2Config", "Qwen2ForCausalLM", dict(FAMILY_CONFIGS["llama"][2]))
 #: Qwen3: Llama's shape with normalised queries and keys; ``head_dim`` set (its default is 128).
 FAMILY_CONFIGS["qwen3"] = ("Qwen3Config", "Qwen3ForCausalLM", dict(FAMILY_CONFIGS["llama"][2], head_dim=8))
+#: Qwen3-MoE: Qwen3's shape with four experts in every layer, two per token, run one by one (as Mixtral's).
+FAMILY_CONFIGS["qwen3_moe"] = (
+    "Qwen3MoeConfig",
+    "Qwen3MoeForCausalLM",
+    dict(
+        FAMILY_CONFIGS["qwen3"][2], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        decoder_sparse_step=1, experts_implementation="eager",
+    ),
+)
 #: Gemma2: alternating sliding-window (window 4) and global layers, ``head_dim`` set (its default is 256); no final
 #: logit soft-capping, whose tanh would flatten the sharpened output layer into ties.
 _GEMMA: dict[str, Any] = dict(

@@ -247,9 +247,9 @@ def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, 
 
 
 # Llama, Mistral, Gemma, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has
-# them; Phi, Mixtral, Qwen2, Qwen3 and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40
-# does: through the helpers below).  Before 4.42 several of them build their causal mask through transformers'
-# helpers, which overflow in float64 (vanilla cannot run a float64 model there; neofix can).
+# them; Phi, Mixtral, Qwen2, Qwen3, Qwen3-MoE and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as
+# the tested 4.40 does: through the helpers below).  Before 4.42 several of them build their causal mask through
+# transformers' helpers, which overflow in float64 (vanilla cannot run a float64 model there; neofix can).
 LLAMA = _rotary(
     "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
     *_rotary_float64_masks("Llama", "4.36", "4.38"),
@@ -267,6 +267,7 @@ QWEN2 = _rotary(
     *_rotary_float64_masks("Qwen2", "4.37", "4.42"),
 )
 QWEN3 = _rotary("qwen3", "Qwen3", "Qwen3Model", "Qwen3ForCausalLM", "4.51")
+QWEN3_MOE = _rotary("qwen3_moe", "Qwen3-MoE", "Qwen3MoeModel", "Qwen3MoeForCausalLM", "4.51")
 GEMMA2 = _rotary(
     "gemma2", "Gemma2", "Gemma2Model", "Gemma2ForCausalLM", "4.42",
     patched_from="4.45",
@@ -294,7 +295,7 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM,
-        LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI, PHI3,
+        LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3, PHI, PHI3,
     )
 }
 

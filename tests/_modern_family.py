@@ -769,6 +769,42 @@ def test_a_head_dim_the_attention_ignores_is_not_read(family):
         assert torch.equal(plain, reference_greedy(model, ids, mask, 3, eos_token_id=0))
 
 
+def test_a_mixture_of_experts_trains_as_vanilla(family):
+    """Mixtral, Qwen3-MoE: a training step over a padded batch (left and right) with the router's logits
+    (``output_router_logits``: the load-balancing loss, which the causal LM computes from the mask it is given,
+    outside the patched forward) gives vanilla's loss, auxiliary loss, router logits and gradients, bit for bit
+    (a rotary family's left padding keeps transformers' positions), and says nothing."""
+    if "MoeForCausalLM" not in FAMILIES[family].causal_lm and "Mixtral" not in FAMILIES[family].causal_lm:
+        pytest.skip(f"{FAMILIES[family].title} has no experts")
+    model = tiny_model(family, seed=0, dtype=torch.float32)
+    ids = torch.randint(1, 96, (3, 7), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    mask[2, 5:] = 0  # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def step():
+        model.zero_grad()
+        with torch.enable_grad():  # (run records warnings under no_grad)
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+            out.loss.backward()
+        grads = [parameter.grad.clone() for parameter in model.parameters() if parameter.grad is not None]
+        return out.loss.detach(), out.aux_loss.detach(), [logits.detach() for logits in out.router_logits], grads
+
+    model.train()
+    try:
+        (patched, told), (plain, _) = patched_and_vanilla(lambda: run(step))
+    finally:
+        model.eval()
+    assert told == []
+    assert isinstance(patched, tuple), patched
+    for mine, theirs in zip(patched[:2], plain[:2]):
+        assert torch.equal(mine, theirs)
+    for mine, theirs in (*zip(patched[2], plain[2]), *zip(patched[3], plain[3])):
+        assert torch.equal(mine, theirs)
+    assert len(patched[2]) == len(plain[2]) > 0 and len(patched[3]) == len(plain[3]) > 0
+
+
 @left_padded_generate
 def test_generate_continues_from_a_returned_cache_as_vanilla(lm):
     ids, mask = left_padded_batch(ROWS, seed=3)  # no row generates the end-of-sequence token (0) within 3 tokens

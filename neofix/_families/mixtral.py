@@ -4,8 +4,9 @@ Imported when transformers loads Mixtral's modeling module; the family arrived i
 patches it from then.  The experts change nothing neofix reads: rotary positions, grouped-query attention, an optional
 sliding window (``config.sliding_window``, off by default from 4.40) and the caches of
 :mod:`neofix._families.mistral`, whose notes hold here too, release by release (its modeling code is Mistral's,
-copied): the causal-mask helpers of 4.36 - 4.41 overflow for float64 models (the family's targets), no
-``cache_position`` before 4.42, legacy tuple caches converted up to 4.47 and rejected from 4.48.  Its attention reads
+copied, except that 4.42 - 4.45 build its mask as Llama does, applying no window, in the uncached forward too, so
+that cached steps agree with it): the causal-mask helpers of 4.36 - 4.41 overflow for float64 models (the family's
+targets), no ``cache_position`` before 4.42, legacy tuple caches converted up to 4.47 and rejected from 4.48.  Its attention reads
 the config's ``head_dim`` from 4.47 (read in the 4.46.3 and 4.47.1 sources).  The router's auxiliary loss
 (``output_router_logits``) is computed by ``MixtralForCausalLM`` from the mask it is given, outside the patched
 forward: neofix leaves it as transformers computes it.

@@ -626,7 +626,8 @@ HEADS = {
     ),
     # head_dim set in their tiny configs: 8 heads of width 4 named as such
     **dict.fromkeys(
-        ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3"), ("num_attention_heads", "num_key_value_heads", "head_dim")
+        ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3"),
+        ("num_attention_heads", "num_key_value_heads", "head_dim"),
     ),
 }
 #: The head count, or the width of a head_dim (4), of the other model.

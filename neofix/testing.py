@@ -169,6 +169,16 @@ FAMILY_CONFIGS["mixtral"] = (
 
 #: Qwen2: Llama's shape with biased query, key and value projections (no sliding window: ``use_sliding_window`` off).
 FAMILY_CONFIGS["qwen2"] = ("Qwen2Config", "Qwen2ForCausalLM", dict(FAMILY_CONFIGS["llama"][2]))
+#: Qwen2-MoE: Qwen2's shape with four experts in every layer, two per token, and a shared expert, run one by one (as
+#: Mixtral's).
+FAMILY_CONFIGS["qwen2_moe"] = (
+    "Qwen2MoeConfig",
+    "Qwen2MoeForCausalLM",
+    dict(
+        FAMILY_CONFIGS["qwen2"][2], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, decoder_sparse_step=1, experts_implementation="eager",
+    ),
+)
 #: Qwen3: Llama's shape with normalised queries and keys; ``head_dim`` set (its default is 128).
 FAMILY_CONFIGS["qwen3"] = ("Qwen3Config", "Qwen3ForCausalLM", dict(FAMILY_CONFIGS["llama"][2], head_dim=8))
 #: Qwen3-MoE: Qwen3's shape with four experts in every layer, two per token, run one by one (as Mixtral's).
@@ -205,6 +215,16 @@ FAMILY_CONFIGS["phi"] = (
 #: Phi3: Llama's shape with fused projections (no sliding window).
 FAMILY_CONFIGS["phi3"] = (
     "Phi3Config", "Phi3ForCausalLM", dict(FAMILY_CONFIGS["llama"][2], resid_pdrop=0.0, embd_pdrop=0.0),
+)
+#: Granite: Llama's shape with its multipliers away from 1 (embeddings, residual branches, attention scores, logits),
+#: so that a forward that skipped one would differ.
+FAMILY_CONFIGS["granite"] = (
+    "GraniteConfig",
+    "GraniteForCausalLM",
+    dict(
+        FAMILY_CONFIGS["llama"][2], embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25,
+        logits_scaling=0.5,
+    ),
 )
 
 

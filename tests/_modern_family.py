@@ -38,9 +38,17 @@ def skip_unless_available(family: str, since: str) -> None:
 
 STEPS = 8
 ROWS = [6, 3, 5]
-#: 4.53 and later pad a mask shorter than cache plus input with zeros on the right (masking_utils): a stale mask is
-#: silently wrong there (measured on 4.53, 4.57, 5.x); 4.45 fails on the shapes.
-STALE_MASK_SILENT = TF_RELEASE >= (4, 53)
+def stale_mask_silent(family):
+    """Whether vanilla pads a mask shorter than cache plus input with zeros on the right (masking_utils, from 4.53;
+    Qwen2-MoE, which builds its own mask up to 4.57, from 5.0): a stale mask is silently wrong there (measured on
+    4.53, 4.57, 5.x); before, it fails on the shapes."""
+    return TF_RELEASE >= ((5, 0) if family == "qwen2_moe" else (4, 53))
+
+
+def legacy_tuples_rejected(family):
+    """Whether the forward rejects legacy tuple caches: from 4.48 (Qwen2-MoE from 4.54, read in the sources and
+    measured on 4.53 and 4.55); before, it converts them itself with a deprecation warning."""
+    return TF_RELEASE >= ((4, 54) if family == "qwen2_moe" else (4, 48))
 
 
 def takes_cache_position(family):
@@ -211,13 +219,13 @@ def test_a_chunked_prefill_without_positions_gives_the_reference(lm, chunks):
 
 
 @hand_loop
-def test_the_stale_mask_is_extended(lm):
+def test_the_stale_mask_is_extended(family, lm):
     """The prompt's mask at every step: 5.x pads it with zeros on the right (silently wrong), 4.45 fails on shapes;
     neofix extends it with ones and says so once."""
     ids, mask = left_padded_batch(ROWS)
     expected = reference(lm, ids, mask)
     plain = vanilla(lambda: decode(lm, ids, mask, STEPS, mask_mode="stale"))
-    if STALE_MASK_SILENT:
+    if stale_mask_silent(family):
         assert isinstance(plain, torch.Tensor) and not torch.equal(plain, expected)
     else:  # a shape RuntimeError, or (the mask helpers before 4.45) a ValueError naming the mask's size
         assert isinstance(plain, (RuntimeError, ValueError)), plain
@@ -541,9 +549,9 @@ def test_past_max_position_embeddings_runs_as_vanilla(lm):
 
 
 @hand_loop
-def test_a_legacy_tuple_cache_decodes_on_every_release(lm):
-    """Tuples: converted by 4.45 itself, rejected from 4.48 (``'tuple' object has no attribute 'get_seq_length'``),
-    where neofix wraps them in a DynamicCache and says so once."""
+def test_a_legacy_tuple_cache_decodes_on_every_release(family, lm):
+    """Tuples: converted by 4.45 itself, rejected from 4.48 (``'tuple' object has no attribute 'get_seq_length'``;
+    Qwen2-MoE from 4.54), where neofix wraps them in a DynamicCache and says so once."""
     ids, mask = left_padded_batch(ROWS)
     tokens, messages = run(lambda: decode(lm, ids, mask, STEPS, cache_format="legacy"))
     if getattr(lm.config, "sliding_window", None) is not None and TF_RELEASE >= (4, 56) and windowed(lm):
@@ -555,7 +563,7 @@ def test_a_legacy_tuple_cache_decodes_on_every_release(lm):
     assert isinstance(tokens, torch.Tensor), tokens
     assert torch.equal(tokens, reference(lm, ids, mask))
     wrapped = [m for m in messages if "legacy tuple cache" in m]
-    assert len(wrapped) == (1 if TF_RELEASE >= (4, 48) else 0), messages
+    assert len(wrapped) == (1 if legacy_tuples_rejected(family) else 0), messages
 
 
 # -- cache_position (the forward takes it up to 4.57) -----------------------------------------------------------------
@@ -757,7 +765,12 @@ def test_a_head_dim_the_attention_ignores_is_not_read(family):
     before 4.43, Mixtral before 4.47, Qwen2, Phi and Phi3 before 4.48), the cache's keys are ``hidden_size // heads``
     wide, and neofix refused the first cached step as a cache "built by another model".  Everywhere: vanilla's
     outcome, said nothing."""
-    model = tiny_model(family, seed=0, dtype=torch.float32, head_dim=16)  # 4 heads of a width-32 model: 8 each
+    try:
+        model = tiny_model(family, seed=0, dtype=torch.float32, head_dim=16)  # 4 heads of a width-32 model: 8 each
+    except ValueError as error:  # Qwen2-MoE 4.53 - 4.57: its attention refuses to be built with it
+        if "must be divisible by num_heads" not in str(error):
+            raise
+        pytest.skip(f"transformers {TF} builds no {family} model with this head_dim: {error}")
     ids, mask = left_padded_batch(ROWS, seed=3)
     call = lambda: model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)  # noqa: E731
     (patched, told), (plain, _) = patched_and_vanilla(lambda: run(call))
@@ -771,7 +784,7 @@ def test_a_head_dim_the_attention_ignores_is_not_read(family):
 
 
 def test_a_mixture_of_experts_trains_as_vanilla(family):
-    """Mixtral, Qwen3-MoE: a training step over a padded batch (left and right) with the router's logits
+    """Mixtral, Qwen2-MoE, Qwen3-MoE: a training step over a padded batch (left and right) with the router's logits
     (``output_router_logits``: the load-balancing loss, which the causal LM computes from the mask it is given,
     outside the patched forward) gives vanilla's loss, auxiliary loss, router logits and gradients, bit for bit
     (a rotary family's left padding keeps transformers' positions), and says nothing."""
@@ -798,6 +811,10 @@ def test_a_mixture_of_experts_trains_as_vanilla(family):
     finally:
         model.eval()
     assert told == []
+    if isinstance(plain, Exception):  # vanilla's own failure (Qwen2-MoE on 4.55: its load-balancing loss reads a CPU
+        # tensor's device index, None), left as it is
+        assert type(patched) is type(plain) and str(patched) == str(plain)
+        return
     assert isinstance(patched, tuple), patched
     for mine, theirs in zip(patched[:2], plain[:2]):
         assert torch.equal(mine, theirs)

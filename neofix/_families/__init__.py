@@ -247,9 +247,10 @@ def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, 
 
 
 # Llama, Mistral, Gemma, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has
-# them; Phi, Mixtral, Qwen2, Qwen3, Qwen3-MoE and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as
-# the tested 4.40 does: through the helpers below).  Before 4.42 several of them build their causal mask through
-# transformers' helpers, which overflow in float64 (vanilla cannot run a float64 model there; neofix can).
+# them; Phi, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma3 and Granite from their arrival (Qwen2 4.37 - 4.39
+# build its mask as the tested 4.40 does: through the helpers below).  Before 4.42 several of them build their causal
+# mask through transformers' helpers, which overflow in float64 (vanilla cannot run a float64 model there; neofix
+# can).
 LLAMA = _rotary(
     "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
     *_rotary_float64_masks("Llama", "4.36", "4.38"),
@@ -265,6 +266,10 @@ MISTRAL = _rotary(
 QWEN2 = _rotary(
     "qwen2", "Qwen2", "Qwen2Model", "Qwen2ForCausalLM", "4.37",
     *_rotary_float64_masks("Qwen2", "4.37", "4.42"),
+)
+QWEN2_MOE = _rotary(
+    "qwen2_moe", "Qwen2-MoE", "Qwen2MoeModel", "Qwen2MoeForCausalLM", "4.40",
+    *_rotary_float64_masks("Qwen2-MoE", "4.40", "4.42"),
 )
 QWEN3 = _rotary("qwen3", "Qwen3", "Qwen3Model", "Qwen3ForCausalLM", "4.51")
 QWEN3_MOE = _rotary("qwen3_moe", "Qwen3-MoE", "Qwen3MoeModel", "Qwen3MoeForCausalLM", "4.51")
@@ -284,6 +289,7 @@ MIXTRAL = _rotary(
     "mixtral", "Mixtral", "MixtralModel", "MixtralForCausalLM", "4.36",
     *_rotary_float64_masks("Mixtral", "4.36", "4.42"),
 )
+GRANITE = _rotary("granite", "Granite", "GraniteModel", "GraniteForCausalLM", "4.45")
 PHI3 = _rotary(
     "phi3", "Phi3", "Phi3Model", "Phi3ForCausalLM", "4.41",
     patched_from="4.45",
@@ -295,7 +301,7 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM,
-        LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3, PHI, PHI3,
+        LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3, PHI, PHI3, GRANITE,
     )
 }
 

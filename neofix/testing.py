@@ -226,6 +226,16 @@ FAMILY_CONFIGS["granite"] = (
         logits_scaling=0.5,
     ),
 )
+#: GPT-OSS: Gemma3's layout (a sliding-window layer of window 4, then a full one; ``head_dim`` set, its default is 64)
+#: with four experts in every layer, two per token, run one by one (as Mixtral's), and an attention sink per head.
+FAMILY_CONFIGS["gpt_oss"] = (
+    "GptOssConfig",
+    "GptOssForCausalLM",
+    dict(
+        FAMILY_CONFIGS["llama"][2], head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager",
+    ),
+)
 
 
 def tiny_config(family: str = "gpt_neo", **overrides: Any) -> Any:

@@ -226,6 +226,11 @@ FAMILY_CONFIGS["granite"] = (
         logits_scaling=0.5,
     ),
 )
+#: SmolLM3: Llama's shape with rotary positions in the first layer and none in the second (``no_rope_layers``: 1 where
+#: a layer has them); ``head_dim`` set (its default is 128).
+FAMILY_CONFIGS["smollm3"] = (
+    "SmolLM3Config", "SmolLM3ForCausalLM", dict(FAMILY_CONFIGS["llama"][2], head_dim=8, no_rope_layers=[1, 0]),
+)
 #: GPT-OSS: Gemma3's layout (a sliding-window layer of window 4, then a full one; ``head_dim`` set, its default is 64)
 #: with four experts in every layer, two per token, run one by one (as Mixtral's), and an attention sink per head.
 FAMILY_CONFIGS["gpt_oss"] = (

@@ -627,7 +627,7 @@ HEADS = {
     ),
     # head_dim set in their tiny configs: 8 heads of width 4 named as such
     **dict.fromkeys(
-        ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3", "gpt_oss"),
+        ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3", "smollm3", "gpt_oss"),
         ("num_attention_heads", "num_key_value_heads", "head_dim"),
     ),
 }

@@ -247,9 +247,10 @@ def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, 
 
 
 # Llama, Mistral, Gemma, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has them;
-# Phi, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma3, Granite and GPT-OSS from their arrival (Qwen2 4.37 - 4.39
-# build its mask as the tested 4.40 does: through the helpers below).  Before 4.42 several of them build their causal
-# mask through transformers' helpers, which overflow in float64 (vanilla cannot run a float64 model there; neofix can).
+# Phi, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma3, Granite, SmolLM3 and GPT-OSS from their arrival (Qwen2 4.37
+# - 4.39 build its mask as the tested 4.40 does: through the helpers below).  Before 4.42 several of them build their
+# causal mask through transformers' helpers, which overflow in float64 (vanilla cannot run a float64 model there; neofix
+# can).
 LLAMA = _rotary(
     "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
     *_rotary_float64_masks("Llama", "4.36", "4.38"),
@@ -289,6 +290,7 @@ MIXTRAL = _rotary(
     *_rotary_float64_masks("Mixtral", "4.36", "4.42"),
 )
 GRANITE = _rotary("granite", "Granite", "GraniteModel", "GraniteForCausalLM", "4.45")
+SMOLLM3 = _rotary("smollm3", "SmolLM3", "SmolLM3Model", "SmolLM3ForCausalLM", "4.53")
 GPT_OSS = _rotary("gpt_oss", "GPT-OSS", "GptOssModel", "GptOssForCausalLM", "4.55")
 PHI3 = _rotary(
     "phi3", "Phi3", "Phi3Model", "Phi3ForCausalLM", "4.41",
@@ -301,7 +303,8 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM,
-        LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3, PHI, PHI3, GRANITE, GPT_OSS,
+        LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3, PHI, PHI3, GRANITE, SMOLLM3,
+        GPT_OSS,
     )
 }
 

@@ -206,6 +206,12 @@ FAMILY_CONFIGS["phi"] = (
 FAMILY_CONFIGS["phi3"] = (
     "Phi3Config", "Phi3ForCausalLM", dict(FAMILY_CONFIGS["llama"][2], resid_pdrop=0.0, embd_pdrop=0.0),
 )
+#: Starcoder2: Mistral's shape (window 4) with biased projections and LayerNorm; no dropout.
+FAMILY_CONFIGS["starcoder2"] = (
+    "Starcoder2Config",
+    "Starcoder2ForCausalLM",
+    dict(FAMILY_CONFIGS["mistral"][2], residual_dropout=0.0, embedding_dropout=0.0),
+)
 
 
 def tiny_config(family: str = "gpt_neo", **overrides: Any) -> Any:

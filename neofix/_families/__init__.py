@@ -246,10 +246,11 @@ def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, 
     )
 
 
-# Llama, Mistral, Gemma, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has
-# them; Phi, Mixtral, Qwen2, Qwen3, Qwen3-MoE and Gemma3 from their arrival (Qwen2 4.37 - 4.39 build its mask as
-# the tested 4.40 does: through the helpers below).  Before 4.42 several of them build their causal mask through
-# transformers' helpers, which overflow in float64 (vanilla cannot run a float64 model there; neofix can).
+# Llama, Mistral, Gemma, Gemma2, Phi3 and Starcoder2 are patched from the first release of the test matrix
+# (tox.ini) that has them; Phi, Mixtral, Qwen2, Qwen3, Qwen3-MoE and Gemma3 from their arrival (Qwen2 4.37 - 4.39
+# build its mask as the tested 4.40 does: through the helpers below).  Before 4.42 several of them build their
+# causal mask through transformers' helpers, which overflow in float64 (vanilla cannot run a float64 model there;
+# neofix can).
 LLAMA = _rotary(
     "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
     *_rotary_float64_masks("Llama", "4.36", "4.38"),
@@ -289,6 +290,12 @@ PHI3 = _rotary(
     patched_from="4.45",
     untested="4.41 - 4.44 are not tested: no release of the test matrix has them",
 )
+STARCODER2 = _rotary(
+    "starcoder2", "Starcoder2", "Starcoder2Model", "Starcoder2ForCausalLM", "4.39",
+    *_rotary_float64_masks("Starcoder2", "4.40", "4.42"),
+    patched_from="4.40",
+    untested="4.39 is not tested: no release of the test matrix has it",
+)
 
 #: Every family neofix patches, by name.
 FAMILIES: dict[str, Family] = {
@@ -296,6 +303,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM,
         LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3, PHI, PHI3,
+        STARCODER2,
     )
 }
 

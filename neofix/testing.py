@@ -212,6 +212,8 @@ FAMILY_CONFIGS["starcoder2"] = (
     "Starcoder2ForCausalLM",
     dict(FAMILY_CONFIGS["mistral"][2], residual_dropout=0.0, embedding_dropout=0.0),
 )
+#: OLMo2: Llama's shape with normalised queries and keys, the norms after attention and MLP.
+FAMILY_CONFIGS["olmo2"] = ("Olmo2Config", "Olmo2ForCausalLM", dict(FAMILY_CONFIGS["llama"][2]))
 
 
 def tiny_config(family: str = "gpt_neo", **overrides: Any) -> Any:

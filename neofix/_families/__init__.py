@@ -246,7 +246,7 @@ def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, 
     )
 
 
-# Llama, Mistral, Gemma, Gemma2, Phi3 and Starcoder2 are patched from the first release of the test matrix
+# Llama, Mistral, Gemma, Gemma2, Phi3, Starcoder2 and OLMo2 are patched from the first release of the test matrix
 # (tox.ini) that has them; Phi, Mixtral, Qwen2, Qwen3, Qwen3-MoE and Gemma3 from their arrival (Qwen2 4.37 - 4.39
 # build its mask as the tested 4.40 does: through the helpers below).  Before 4.42 several of them build their
 # causal mask through transformers' helpers, which overflow in float64 (vanilla cannot run a float64 model there;
@@ -296,6 +296,11 @@ STARCODER2 = _rotary(
     patched_from="4.40",
     untested="4.39 is not tested: no release of the test matrix has it",
 )
+OLMO2 = _rotary(
+    "olmo2", "OLMo2", "Olmo2Model", "Olmo2ForCausalLM", "4.47",
+    patched_from="4.48",
+    untested="4.47 is not tested: no release of the test matrix has it",
+)
 
 #: Every family neofix patches, by name.
 FAMILIES: dict[str, Family] = {
@@ -303,7 +308,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM,
         LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3, PHI, PHI3,
-        STARCODER2,
+        STARCODER2, OLMO2,
     )
 }
 

@@ -241,6 +241,14 @@ FAMILY_CONFIGS["gpt_oss"] = (
         num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager",
     ),
 )
+#: Starcoder2: Mistral's shape (window 4) with biased projections and LayerNorm; no dropout.
+FAMILY_CONFIGS["starcoder2"] = (
+    "Starcoder2Config",
+    "Starcoder2ForCausalLM",
+    dict(FAMILY_CONFIGS["mistral"][2], residual_dropout=0.0, embedding_dropout=0.0),
+)
+#: OLMo2: Llama's shape with normalised queries and keys, the norms after attention and MLP.
+FAMILY_CONFIGS["olmo2"] = ("Olmo2Config", "Olmo2ForCausalLM", dict(FAMILY_CONFIGS["llama"][2]))
 
 
 def tiny_config(family: str = "gpt_neo", **overrides: Any) -> Any:

@@ -622,7 +622,7 @@ HEADS = {
     "gpt_neo": ("num_heads",), "gpt2": ("n_head",), "gptj": ("n_head",), "codegen": ("n_head",),
     "gpt_neox": ("num_attention_heads",), "opt": ("num_attention_heads",), "bloom": ("n_head",),
     **dict.fromkeys(
-        ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi", "phi3", "granite"),
+        ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi", "phi3", "granite", "starcoder2", "olmo2"),
         ("num_attention_heads", "num_key_value_heads"),
     ),
     # head_dim set in their tiny configs: 8 heads of width 4 named as such

@@ -72,8 +72,9 @@ def test_every_family_has_its_scenario_module():
     modern = [name for name in FAMILIES if name not in ("gpt_neo", "gpt2", "gptj", "codegen", "gpt_neox", "opt", "bloom")]
     assert modern == [
         "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3", "phi",
-        "phi3", "granite", "smollm3", "gpt_oss",
+        "phi3", "granite", "smollm3", "gpt_oss", "starcoder2",
+        "olmo2",
     ]
     for name in modern:
         assert (ROOT / "tests" / f"test_family_{name}.py").exists(), name
-    assert titles().endswith(" and GPT-OSS")
+    assert titles().endswith(" and OLMo2")

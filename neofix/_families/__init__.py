@@ -246,10 +246,11 @@ def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, 
     )
 
 
-# Llama, Mistral, Gemma, Gemma2 and Phi3 are patched from the first release of the test matrix (tox.ini) that has them;
-# Phi, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma3, Granite, SmolLM3 and GPT-OSS from their arrival (Qwen2 4.37
-# - 4.39 build its mask as the tested 4.40 does: through the helpers below).  Before 4.42 several of them build their
-# causal mask through transformers' helpers, which overflow in float64 (vanilla cannot run a float64 model there; neofix
+# Llama, Mistral, Gemma, Gemma2, Phi3, Starcoder2 and OLMo2 are patched from the first release of the test matrix
+# (tox.ini) that has them; Phi, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma3, Granite, SmolLM3 and GPT-OSS from
+# their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does: through the helpers below).  Before 4.42
+# several of them build their causal mask through transformers' helpers, which overflow in float64 (vanilla cannot run a
+# float64 model there; neofix
 # can).
 LLAMA = _rotary(
     "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
@@ -292,6 +293,17 @@ MIXTRAL = _rotary(
 GRANITE = _rotary("granite", "Granite", "GraniteModel", "GraniteForCausalLM", "4.45")
 SMOLLM3 = _rotary("smollm3", "SmolLM3", "SmolLM3Model", "SmolLM3ForCausalLM", "4.53")
 GPT_OSS = _rotary("gpt_oss", "GPT-OSS", "GptOssModel", "GptOssForCausalLM", "4.55")
+STARCODER2 = _rotary(
+    "starcoder2", "Starcoder2", "Starcoder2Model", "Starcoder2ForCausalLM", "4.39",
+    *_rotary_float64_masks("Starcoder2", "4.40", "4.42"),
+    patched_from="4.40",
+    untested="4.39 is not tested: no release of the test matrix has it",
+)
+OLMO2 = _rotary(
+    "olmo2", "OLMo2", "Olmo2Model", "Olmo2ForCausalLM", "4.47",
+    patched_from="4.48",
+    untested="4.47 is not tested: no release of the test matrix has it",
+)
 PHI3 = _rotary(
     "phi3", "Phi3", "Phi3Model", "Phi3ForCausalLM", "4.41",
     patched_from="4.45",
@@ -304,7 +316,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM,
         LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3, PHI, PHI3, GRANITE, SMOLLM3,
-        GPT_OSS,
+        GPT_OSS, STARCODER2, OLMO2,
     )
 }
 

@@ -52,7 +52,7 @@ def legacy_tuples_rejected(family):
 
 
 def takes_cache_position(family):
-    """The forward takes cache_position: Llama from 4.38, Mistral and Qwen2 from 4.42, up to 4.57; 5.x takes none."""
+    """The forward takes cache_position: Llama from 4.38, Mistral and Qwen2 from 4.42, up to 5.3; from 5.4 none."""
     causal_lm = getattr(transformers, FAMILY_CONFIGS[family][1])
     return "cache_position" in inspect.signature(causal_lm.forward).parameters
 

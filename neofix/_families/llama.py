@@ -8,8 +8,8 @@ Measured with tiny random models (``neofix.testing.tiny_model("llama")``), vanil
 
 * Positions are rotary: only differences matter, so a left-padded row decodes the same whether its positions count
   the padding (transformers' own) or start at its first real token (the mask's), and a chunked prefill without
-  positions is right.  Missing positions come from ``cache_position`` (4.45 - 4.57) or ``arange(q)`` after
-  ``cache.get_seq_length()`` (5.x, which takes no ``cache_position``).
+  positions is right.  Missing positions come from ``cache_position`` (4.45 - 5.3) or ``arange(q)`` after
+  ``cache.get_seq_length()`` (from 5.4, which takes no ``cache_position``: measured on 5.0 - 5.5).
 * ``max_position_embeddings`` is no table: the rotary embedding computes any position, and cached decoding past it
   equals the full recompute.  neofix adds no limit there.
 * Keys are ``(batch, key_value_heads, tokens, head_dim)``: with grouped-query attention (4.31 on; 4.30 gives the

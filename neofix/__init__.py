@@ -1,8 +1,8 @@
-"""neofix: cached decoding in Hugging Face transformers, correct at every step, for eighteen decoder families.
+"""neofix: cached decoding in Hugging Face transformers, correct at every step, for nineteen decoder families.
 
-``import neofix`` registers a patch on transformers' GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM, Llama,
-Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma2, Gemma3, Phi and Phi3 (each applied when transformers loads
-that family's modeling module, or at once if it already has; a family the installed release lacks is skipped).  On
+``import neofix`` registers a patch on transformers' GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM, GPT-BigCode,
+Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Gemma2, Gemma3, Phi and Phi3 (each applied when transformers
+loads that family's modeling module, or at once if it already has; a family the installed release lacks is skipped).  On
 every forward step the attention mask is made to cover the cached plus the new tokens, position ids are derived from
 the mask and advance by one per real token, and the KV cache, mask, positions and inputs are validated against each
 other.  What can be repaired is repaired (with a one-time :class:`NeofixWarning`); what cannot raises

@@ -3,9 +3,9 @@
 Imported when transformers loads GPT-BigCode's modeling module (so torch and transformers are loaded already).
 
 Measured with tiny random models (``tiny_model("gpt_bigcode")``, multi-query attention, and the same with
-``multi_query=False``), vanilla transformers 4.30, 4.36, 4.40, 4.45, 4.53, 4.54, 4.55, 4.57, 5.0 and 5.25 (neofix
-patches it from 4.30, the first release of the test matrix that has it; 4.28 - 4.29 are left as transformers has
-them):
+``multi_query=False``), vanilla transformers 4.30, 4.36, 4.38, 4.40, 4.45, 4.53, 4.54, 4.55, 4.57, 5.0, 5.10 and
+5.25 (neofix patches it from 4.30, the first release of the test matrix that has it; 4.28 - 4.29 are left as
+transformers has them):
 
 * Learned absolute positions from a table of ``n_positions`` rows (``wpe``), as GPT-2's.  Up to 4.53 the base model
   derives missing positions from a 2D mask itself, as OPT does (``cumsum(mask) - 1`` over every column, sliced after
@@ -24,7 +24,8 @@ them):
   refused on its columns as before).
 * 4.36 - 4.38: the sdpa path (the default) unmasks the rows of left-padding queries as if a step of several tokens
   started the sequence: a left-padded chunk after a cache decodes wrong tokens or fails (``IndexError``).  neofix
-  replaces that unmasking (:func:`make_unmask_converter`); 4.39 fixed it.
+  replaces that unmasking (:func:`make_unmask_converter`); 4.39 unmasks the rows every key of which is masked (read
+  in the 4.37 - 4.39 sources).
 * Up to 4.53 its cache is its own: a list of one fused key-value tensor per layer, ``(batch, tokens, 2 * head_dim)``
   with multi-query attention (``multi_query=True``, the default: one key-value head) or ``(batch, heads, tokens, 2 *
   head_dim)`` without, which the forward reads as ``past_key_values[0].size(-2)`` (:func:`read_fused`); a ``Cache``

@@ -17,6 +17,7 @@ DESCRIPTION = textwrap.fill(
     f"neofix makes cached decoding in Hugging Face transformers correct at every step, for "
     f"{_families.count_in_words()} decoder families: {_families.titles()}.",
     92,
+    break_on_hyphens=False,  # a family's title stays whole ("GPT-BigCode")
 ) + "\n`import neofix` is all a program needs; this command checks an installation."
 
 #: The number of scenarios of the full self-check (tests/test_cli.py compares it with the doctor's list).

@@ -63,7 +63,7 @@ def _cache_of(out: Any, where: str) -> Any:
             f"model with use_cache=True, as model(**state.model_inputs()) does"
         )
     if isinstance(out, (tuple, list)):
-        if _caches.is_legacy(out):
+        if _caches.is_legacy(out) or (type(out) is list and _fused(out)):
             return out
         if out and isinstance(out[0], torch.Tensor):
             raise TypeError(
@@ -82,8 +82,17 @@ def _cache_of(out: Any, where: str) -> Any:
     )
 
 
+def _fused(cache: Any) -> bool:
+    """A cache of one tensor per layer, its keys and values fused: GPT-BigCode's up to transformers 4.53 (a list, as
+    its forward returns it; a model output given as a plain tuple, ``return_dict=False``, is a tuple)."""
+    return isinstance(cache, (tuple, list)) and bool(cache) and all(type(layer) is torch.Tensor for layer in cache)
+
+
 def _preferred(cache: Any) -> Any:
-    """The cache in the format the installed GPT-Neo takes without complaint (no copy where none is needed)."""
+    """The cache in the format the installed GPT-Neo takes without complaint (no copy where none is needed); a fused
+    one (:func:`_fused`) as it is, the only format its model takes."""
+    if _fused(cache):
+        return cache
     if isinstance(cache, (tuple, list)):
         if _cache_objects_accepted():  # 4.45 - 4.53 log a deprecation for tuples, 4.54+ reject them
             return _caches.from_legacy(tuple(tuple(layer) for layer in cache), None)
@@ -118,6 +127,8 @@ def _already_reordered(cache: Any, held: Any) -> bool:
 def _reorder_cache(cache: Any, index: torch.Tensor) -> Any:
     if cache is None:
         return None
+    if _fused(cache):
+        return [layer.index_select(0, index.to(layer.device)) for layer in cache]
     if isinstance(cache, (tuple, list)):
         return tuple(tuple(t.index_select(0, index.to(t.device)) for t in layer) for layer in cache)
     cache.reorder_cache(index)  # in place, one index_select per layer
@@ -205,7 +216,8 @@ class DecodeState:
 
     @property
     def cache(self) -> Any:
-        """The KV cache (``None`` before the first :meth:`advance`), in the format the installed GPT-Neo takes."""
+        """The KV cache (``None`` before the first :meth:`advance`), in the format the installed GPT-Neo takes
+        (GPT-BigCode's own up to transformers 4.53: a list of one tensor per layer, fusing its keys and values)."""
         return self._cache
 
     def __repr__(self) -> str:
@@ -350,8 +362,11 @@ class DecodeState:
         self._validate(cache, self._cached, self._sequences.shape[0], where, hint + _ASK)
 
     def _validate(self, cache: Any, length: int, batch: int, where: str, hint: str) -> None:
-        view = _caches.read(cache, 1)
-        held, rows = view.length, view.batch
+        if _fused(cache):  # (batch, [heads,] tokens, 2 * head_dim)
+            held, rows = cache[0].shape[-2], cache[0].shape[0]
+        else:
+            view = _caches.read(cache, 1)
+            held, rows = view.length, view.batch
         if rows is not None and rows != batch:
             raise BatchMismatchError(
                 f"{where}: the cache holds {counted(rows, 'row')}, but the state holds {batch}: reorder or select the cache "

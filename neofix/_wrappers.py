@@ -357,8 +357,12 @@ _RIGHT_PADDED: dict[int, tuple[Any, tuple[int, ...]]] = {}
 
 
 def _cache_key(cache: Any) -> Any:
+    """What a cache is remembered by: the object, or a legacy cache's first key (a new tuple at every step), or its
+    first layer where that is one tensor (GPT-BigCode up to 4.53 fuses each layer's keys and values in one)."""
     if type(cache) is tuple or type(cache) is list:
         first = cache[0] if cache else None
+        if type(first) is torch.Tensor:
+            return first
         return first[0] if isinstance(first, (tuple, list)) and first else None
     return cache
 
@@ -367,7 +371,8 @@ def _output_cache(output: Any) -> Any:
     """The cache a forward returned, or ``None``."""
     cache = _caches.of_output(output)
     if cache is None and isinstance(output, tuple) and len(output) > 1:  # return_dict=False: (hidden, cache, ...),
-        cache = output[1]  # or without a cache (hidden, hidden states, ...: _cache_key follows no tuple of tensors)
+        cache = output[1]  # or without a cache (hidden, hidden states, ...: _cache_key takes the first hidden
+        # state for a GPT-BigCode layer, which is only remembered weakly and never passed as a cache again)
     return cache
 
 

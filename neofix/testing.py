@@ -141,6 +141,17 @@ FAMILY_CONFIGS["bloom"] = (
     dict(_COMMON, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0, initializer_range=0.3),
 )
 
+#: GPT-BigCode: learned positions (a table of 64, ``n_positions``), multi-query attention (its default: one
+#: key-value head of width 8 for the 4 query heads).
+FAMILY_CONFIGS["gpt_bigcode"] = (
+    "GPTBigCodeConfig",
+    "GPTBigCodeForCausalLM",
+    dict(
+        _COMMON, n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=64, multi_query=True, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3,
+    ),
+)
+
 #: Llama: rotary positions, grouped-query attention (4 query heads share 2 key-value heads), 64 positions
 #: (``max_position_embeddings``: no table, the rotary embedding extrapolates).
 FAMILY_CONFIGS["llama"] = (

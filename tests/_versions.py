@@ -86,9 +86,13 @@ def output_cache(outputs):
 
 
 def legacy(cache):
-    """The cache as a legacy tuple of (key, value) pairs, whatever the installed release returned."""
+    """The cache as a legacy tuple of (key, value) pairs, whatever the installed release returned (GPT-BigCode up to
+    4.53: of its layers, each one tensor fusing keys and values)."""
     if isinstance(cache, tuple):
         return cache
+    if isinstance(cache, list) and cache and isinstance(cache[0], torch.Tensor):
+        return tuple(cache)
+    cache = getattr(cache, "self_attention_cache", cache)  # GPT-BigCode 4.57: an EncoderDecoderCache (no cross keys)
     if hasattr(cache, "layers"):
         return tuple((layer.keys, layer.values) for layer in cache.layers)
     if hasattr(cache, "key_cache"):

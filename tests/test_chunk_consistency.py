@@ -36,9 +36,10 @@ RELATIVE = 1e-4
 
 
 def _families():
-    """The seven families, limited by ``NEOFIX_TEST_FAMILIES`` (comma-separated, or "all") as tests/test_families.py
-    reads it: tox.ini runs the other families on some releases only."""
-    names = ["gpt_neo", "gpt2", "gptj", "codegen", "gpt_neox", "opt", "bloom"]
+    """The seven families of the first releases and GPT-BigCode (learned positions, as GPT-2's), limited by
+    ``NEOFIX_TEST_FAMILIES`` (comma-separated, or "all") as tests/test_families.py reads it: tox.ini runs the other
+    families on some releases only."""
+    names = ["gpt_neo", "gpt2", "gptj", "codegen", "gpt_neox", "opt", "bloom", "gpt_bigcode"]
     chosen = os.environ.get("NEOFIX_TEST_FAMILIES", "all").strip()
     if chosen and chosen != "all":
         wanted = {name.strip() for name in chosen.split(",")}

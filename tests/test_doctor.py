@@ -735,7 +735,7 @@ def test_a_checkpoint_of_a_family_neofix_does_not_patch(tmp_path):
     config["architectures"] = ["BertForMaskedLM", "BertModel"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     titles = ", ".join(family.title for family in FAMILIES.values())
-    assert titles.startswith("GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM, Llama, Mistral, Mixtral, Qwen2")
+    assert titles.startswith("GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM, GPT-BigCode, Llama, Mistral")
     assert usage_error(tmp_path) == (
         f"--model {tmp_path}: this is a 'bert' checkpoint (BertForMaskedLM, BertModel), not GPT-Neo: neofix patches "
         f"{titles} (the folder's config.json says \"model_type\": 'bert')"

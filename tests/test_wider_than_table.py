@@ -1,9 +1,10 @@
 """A left-padded batch wider than the position table, whose rows' real tokens fit.
 
 Where the attention keeps no causal buffer of the table's width (``Limits.wider_than_table``: GPT-2 with sdpa from
-4.42 and with eager from 5.2, GPT-J and CodeGen from 4.45), vanilla transformers computes such a batch right, as
-each row alone: positions count real tokens only, and only positions are looked up in the table.  neofix must not
-refuse it (it did, on the columns), and must still refuse, before any compute, a step whose positions do not fit.
+4.42 and with eager from 5.2, GPT-J and CodeGen from 4.45, GPT-BigCode from 4.54), vanilla transformers computes
+such a batch right, as each row alone: positions count real tokens only, and only positions are looked up in the
+table.  neofix must not refuse it (it did, on the columns), and must still refuse, before any compute, a step whose
+positions do not fit.
 Where the attention slices a buffer of the table's width (GPT-Neo on every release; the others before those
 releases), vanilla fails on a size mismatch, and neofix refuses the step on its columns as before.
 
@@ -27,7 +28,7 @@ from ._versions import TF_RELEASE
 from .loops import decode, left_padded_batch
 from .test_families import NAMES, run
 
-FAMILIES_HERE = [name for name in ("gpt_neo", "gpt2", "gptj", "codegen") if name in NAMES]
+FAMILIES_HERE = [name for name in ("gpt_neo", "gpt2", "gptj", "codegen", "gpt_bigcode") if name in NAMES]
 TABLE = 64  # the tiny models' position table (neofix.testing.tiny_config)
 STEPS = 3
 

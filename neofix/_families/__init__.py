@@ -206,6 +206,28 @@ BLOOM = _standard(
     "but BLOOM's keys there are (batch * heads, head_dim, tokens): it would feed the wrong tokens",
 )
 
+# GPT-BigCode arrived in 4.28; the first release of the test matrix that has it is 4.30 (tox.ini)
+GPT_BIGCODE = _standard(
+    "gpt_bigcode",
+    "GPT-BigCode",
+    "GPTBigCodeModel",
+    "GPTBigCodeForCausalLM",
+    # its sdpa path unmasks the rows of left-padding queries as if a step of several tokens started the sequence
+    Target(
+        "",
+        "AttentionMaskConverter",
+        wrapper="make_unmask_converter",
+        since="4.36",
+        until="4.39",
+        why="only transformers 4.36 - 4.38 unmask the rows of a left-padded chunk after a cache in GPT-BigCode's sdpa "
+        "path by counting its columns from 0 (4.39 unmasks the rows every key of which is masked)",
+    ),
+    since="4.30",
+    why_since="neofix patches GPT-BigCode from transformers 4.30 (transformers has it from 4.28; 4.28 - 4.29 are not "
+    "tested: no release of the test matrix has them)",
+)
+
+
 def _rotary(
     name: str,
     title: str,
@@ -314,7 +336,7 @@ PHI3 = _rotary(
 FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
-        GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM,
+        GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM, GPT_BIGCODE,
         LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3, PHI, PHI3, GRANITE, SMOLLM3,
         GPT_OSS, STARCODER2, OLMO2,
     )

@@ -13,6 +13,9 @@ a few releases behind it (read in the 4.40 - 4.56 sources, measured on 4.40, 4.4
   num_attention_heads`` wide, whatever the config says.
 * Legacy tuple caches: converted with a deprecation warning up to 4.53 (Qwen2 rejects them from 4.48), rejected from
   4.54 (``The `past_key_values` should be either a `Cache` object or `None```).
+* With the window on (``use_sliding_window=True``), 4.56 - 4.57 decode wrong, vanilla alike: the model builds its own
+  mask over every key while its ``DynamicCache`` keeps only the window's (sliding-window layers); neofix leaves it as
+  transformers has it (measured with a window of 4 on 4.56 and 4.57; 4.45, 4.53 and 5.25 are right).
 
 The router's auxiliary loss (``output_router_logits``) is computed by ``Qwen2MoeForCausalLM`` from the mask it is
 given, outside the patched forward: neofix leaves it as transformers computes it.

@@ -147,6 +147,7 @@ def make_unmask_converter(original: Any, _adapter: Any) -> Any:
 
     converter = type(original.__name__, (original,), {"_unmask_unattended": staticmethod(_unmask_unattended)})
     converter.__module__, converter.__qualname__ = __name__, original.__qualname__
+    converter.__wrapped__ = original  # (as every wrapper's: what it replaced)
     return _wrappers._mark(converter)
 
 

@@ -85,7 +85,9 @@ def _cache_of(out: Any, where: str) -> Any:
 def _fused(cache: Any) -> bool:
     """A cache of one tensor per layer, its keys and values fused: GPT-BigCode's up to transformers 4.53 (a list, as
     its forward returns it; a model output given as a plain tuple, ``return_dict=False``, is a tuple)."""
-    return isinstance(cache, (tuple, list)) and bool(cache) and all(type(layer) is torch.Tensor for layer in cache)
+    return isinstance(cache, (tuple, list)) and bool(cache) and all(
+        type(layer) is torch.Tensor and layer.dim() in (3, 4) for layer in cache  # (not PEFT's stacked (2, B, H, S, D))
+    )
 
 
 def _preferred(cache: Any) -> Any:

@@ -272,8 +272,7 @@ def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, 
 # (tox.ini) that has them; Phi, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma3, Granite, SmolLM3 and GPT-OSS from
 # their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does: through the helpers below).  Before 4.42
 # several of them build their causal mask through transformers' helpers, which overflow in float64 (vanilla cannot run a
-# float64 model there; neofix
-# can).
+# float64 model there; neofix can).
 LLAMA = _rotary(
     "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
     *_rotary_float64_masks("Llama", "4.36", "4.38"),

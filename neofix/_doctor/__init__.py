@@ -150,7 +150,6 @@ def run(
     )
 
 
-
 def _settle_for_the_check(model: Any, strict: bool) -> None:
     """The doctor's own settings for its column: the mode asked for, no value reads; one thread for a tiny model."""
     import torch

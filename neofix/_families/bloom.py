@@ -24,12 +24,6 @@ from ._contract import Adapter, make_limits
 FUSED_CACHE = _compat.release() < (4, 44)
 
 
-
-
-
-
-
-
 class LayerCount(int):
     """The number of layers of a BLOOM model on a fused-cache release, carrying its ``heads`` and ``head_dim``.
 

@@ -7,6 +7,7 @@ env runs this file, so the vanilla column is checked against the known failures 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import inspect
 import io
@@ -73,10 +74,20 @@ def run_command(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+def gpt_neo_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The doctor's runs check GPT-Neo's table only: the other families' quick checks, about 20 s of a run on 5.x, are
+    :func:`test_command_prints_the_table`'s (every family, as a user runs it) and, with two scenarios each,
+    :func:`test_every_family_is_loaded_before_the_check`'s (their JSON)."""
+    monkeypatch.setattr(_doctor, "run", functools.partial(_doctor.run, others=False))
+
+
 @pytest.fixture(scope="module")
 def report():
-    """One default ``neofix doctor --json`` run, in this process, shared by the tests that read it."""
-    status, out, err = run_main("doctor", "--json")
+    """One default ``neofix doctor --json`` run (GPT-Neo's table: :func:`gpt_neo_only`), in this process, shared by
+    the tests that read it."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        gpt_neo_only(monkeypatch)
+        status, out, err = run_main("doctor", "--json")
     assert status == 0, out + err
     return json.loads(out)
 
@@ -105,6 +116,7 @@ def test_command_prints_the_table():
     assert "patched in this process" in out
     for target in TARGETS:
         assert f"  {target}  " in out
+    assert not re.search(r"  pending  ", out), out  # every family's module loaded first: each target's state told
     assert "4 layers (global, local, global, local), local window 4" in out
     assert "every sequence crosses the local window" in out
     header = next(line for line in out.splitlines() if line.strip().startswith("scenario"))
@@ -145,7 +157,9 @@ def test_json_document(report):
     assert [t["target"] for t in report["patch_targets"]] == TARGETS
     states = {t["target"]: t["state"] for t in report["patch_targets"]}
     assert states["GPTNeoModel.forward"] == "patched"
-    assert set(states.values()) <= {"patched", "skipped", "missing"}
+    # (a family whose module this process has not loaded is pending: the default run loads every family first, which
+    # test_command_prints_the_table checks)
+    assert set(states.values()) <= {"patched", "skipped", "missing", "pending"}
     assert report["mode"] == "repair"
     assert report["model"]["source"].startswith("built-in tiny random GPT-Neo")
     assert report["model"]["local_window_crossed"] is True
@@ -213,7 +227,8 @@ def test_neofix_column_repairs_or_names_the_error(report):
 # --- --strict -------------------------------------------------------------------------------------------------
 
 
-def test_strict_mode_turns_repairs_into_errors():
+def test_strict_mode_turns_repairs_into_errors(monkeypatch):
+    gpt_neo_only(monkeypatch)
     status, out, err = run_main("doctor", "--strict", "--json")
     assert status == 0, out + err
     document = json.loads(out)
@@ -667,6 +682,15 @@ def test_every_family_is_loaded_before_the_check(monkeypatch, two_scenarios):
     assert before_model[0] == GPT_NEO_MODULE and set(before_model) == set(ALL_MODULES)
     assert [title for title, _ in report.others] == [f.title for f in FAMILIES.values() if f.name != "gpt_neo"]
     assert report.exit_status == 0
+    # the JSON document lists each other family's quick check: its scenarios and verdicts, or why it was skipped
+    listed = json.loads(_report.as_json(report))["other_families"]
+    assert [entry["family"] for entry in listed] == [title for title, _ in report.others]
+    for entry, (title, rows) in zip(listed, report.others):
+        if isinstance(rows, str):
+            assert entry == {"family": title, "skipped": rows}
+        else:
+            assert (entry["scenarios"], entry["right"], entry["wrong"]) == (2, 2, []), entry
+    assert any("scenarios" in entry for entry in listed)
 
 
 def test_a_family_this_release_cannot_load_is_skipped(monkeypatch, two_scenarios):

@@ -633,6 +633,7 @@ HEADS = {
     "gpt_neox": ("num_attention_heads",), "opt": ("num_attention_heads",), "bloom": ("n_head",),
     # multi-query attention: the cache holds one key-value head of the head width (8 heads: one of width 4)
     "gpt_bigcode": ("n_head",),
+    "falcon": ("num_attention_heads",),  # multi-query too: one key-value head (8 heads: one of width 4)
     **dict.fromkeys(
         ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi", "phi3", "granite", "starcoder2", "olmo2"),
         ("num_attention_heads", "num_key_value_heads"),

@@ -34,6 +34,12 @@ transformers 4.36, 4.40, 4.45, 4.48, 4.53, 4.54, 4.55, 4.57, 5.0, 5.10 and 5.25,
   mask_2d, 0.0)``, counting a chunk after a cache as if it started the sequence, as GPT-BigCode's sdpa path does
   there: neofix replaces it the same way (:func:`~neofix._families.gpt_bigcode.make_unmask_converter`).  The model's
   own ``_update_causal_mask`` from ``cache_position`` on 4.45 - 5.1; ``create_causal_mask`` from 5.2.
+* Static caches: on 4.45 - 4.55 transformers' ``StaticCache`` gives every layer the config's
+  ``num_key_value_heads``, which ``FalconConfig`` lacks (every query head is taken), so with multi-query attention
+  (one key-value head written) ``generate(cache_implementation="static")`` and a hand loop over one fail in vanilla
+  (``index_copy_(): Source/destination tensor must have same slice shapes``; measured on 4.45, 4.54 and 4.55; the
+  multi-head and new-architecture configs decode).  neofix refuses such a step before the model runs, naming why
+  (:func:`check_step`); from 4.56 the cache takes its layout from the keys written, and it decodes.
 * ``parallel_attn`` and ``bias`` change nothing neofix reads.
 * 1D ``input_ids`` fail on every release measured (``not enough values to unpack``).
 """
@@ -43,9 +49,10 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
-from .._core import Limits, Positions
+from .._core import CacheView, Limits, Positions
+from .._errors import InputShapeError
 from . import FALCON
-from ._contract import Adapter, make_layers
+from ._contract import Adapter, make_layers, no_check
 from .gpt_bigcode import make_unmask_converter  # noqa: F401 - the family's 4.36 - 4.38 target (its registry line)
 
 #: From 5.25 the new decoder architecture caches its ``num_kv_heads`` key-value heads; before, every query head's.
@@ -73,14 +80,35 @@ def limits(config: Any) -> Limits:
     )
 
 
+#: 4.45 - 4.55: transformers' StaticCache gives Falcon's layers every query head (its config has no
+#: ``num_key_value_heads``), more than a multi-query model writes.
+STATIC_CACHE_OF_EVERY_HEAD = (4, 45) <= _compat.release() < (4, 56)
+
+
+def check_step(model: Any, view: CacheView, call: dict) -> None:
+    """On 4.45 - 4.55: a static cache of more key-value heads than the model writes (multi-query attention), which
+    transformers built for it and its attention cannot fill (vanilla: ``index_copy_`` fails), refused naming why."""
+    if view.capacity is None or view.heads is None:
+        return
+    written = limits(model.config).heads
+    if view.heads != written:
+        raise InputShapeError(
+            f"the static cache holds keys of {view.heads} heads, but this Falcon model writes {written} (multi-query "
+            f"attention): transformers {_compat.transformers_version()} builds Falcon's StaticCache with every query "
+            f"head, which its attention cannot fill (vanilla fails in index_copy_). Decode with a dynamic cache (no "
+            f"cache_implementation='static'), or on transformers 4.56 or later"
+        )
+
+
 ADAPTER = Adapter(
     family=FALCON,
     positions=Positions.ROTARY,  # the usual config's (alibi=False); positions_of reads each model's
     positions_of=positions_of,
     limits=limits,
     layers=make_layers("h"),  # FalconModel's decoder layers
-    # no window: a static cache's empty slots are masked by the 4D mask transformers builds for it (no check of its
-    # own).  Legacy tuples: rejected from 4.54 (4.45 - 4.53 convert them, 4.36 - 4.44 take nothing else)
+    check_step=check_step if STATIC_CACHE_OF_EVERY_HEAD else no_check,
+    # no window: a static cache's empty slots are masked by the 4D mask transformers builds for it; 4.45 - 4.55 build
+    # one a multi-query model cannot fill (refused).  Legacy tuples: rejected from 4.54 (4.45 - 4.53 convert them, 4.36 - 4.44 take nothing else)
     legacy_cache_rejected=_compat.release() >= (4, 54),
     flat_input_ids_accepted=False,
 )

@@ -163,3 +163,20 @@ def test_the_alibi_kind_is_its_own_adapter_once():
     made = for_model(adapter, alibi)
     assert made is for_model(adapter, alibi) and made.positions is Positions.NONE
     assert made.limits is adapter.limits and made.legacy_cache_rejected == adapter.legacy_cache_rejected
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_float64_alibi_model_generates_the_reference(attention):
+    """The ALiBi kind in float64: on 4.36 - 4.44 vanilla cannot run it (the mask helpers overflow: "value cannot be
+    converted to type float without overflow"); neofix builds that mask in float32 (ALiBi's path reads it as
+    booleans, eager adds it to float64 scores), and generate gives the reference's tokens.  Elsewhere: vanilla's."""
+    model = tiny_model("falcon", seed=0, dtype=torch.float64, attn_implementation=attention, **ALIBI)
+    ids, mask = left_padded_batch([6, 3, 5], seed=3)
+    call = lambda: model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)  # noqa: E731
+    (patched, told), (plain, _) = patched_and_vanilla(lambda: run(call))
+    assert isinstance(patched, torch.Tensor), patched
+    assert torch.equal(patched, reference_greedy(model, ids, mask, 6, eos_token_id=0)) and said_nothing(told), told
+    if float64_mask_overflows("falcon"):
+        assert isinstance(plain, RuntimeError) and "overflow" in str(plain), plain
+    else:
+        assert torch.equal(patched, plain)

@@ -44,6 +44,7 @@ KINDS = {
     "new": dict(new_decoder_architecture=True, num_kv_heads=2),
     "alibi": dict(alibi=True, multi_query=False),
     "alibi-mqa": dict(alibi=True),
+    "serial-biased": dict(parallel_attn=False, bias=True),  # (attention then MLP, biased projections: nothing read)
 }
 ALIBI = dict(alibi=True, multi_query=False)
 

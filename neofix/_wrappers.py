@@ -61,7 +61,7 @@ from ._errors import (
     counted,
     warn_once,
 )
-from ._families._contract import Adapter, attention_of
+from ._families._contract import Adapter, attention_of, for_model
 from ._reports import StepInfo
 
 #: Marks every function neofix installs (``neofix.trace`` tells a patched model by it).
@@ -83,6 +83,7 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
     """
     names = positional_names(original)
     takes_positions = "position_ids" in inspect.signature(original).parameters
+    positions_of = adapter.positions_of  # (a family whose config decides its positions: Falcon)
 
     @functools.wraps(original)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -95,33 +96,34 @@ def make_model_forward(original: Any, adapter: Adapter) -> Callable[..., Any]:
             if name in call:  # given twice: vanilla's own error, on every path (the call passed on included)
                 raise TypeError(f"{original.__qualname__}() got multiple values for argument '{name}'")
             call[name] = value
+        family = adapter if positions_of is None else for_model(adapter, self.config)  # (the one place it is read)
         input_ids = call.get("input_ids")
         traced = tracer(input_ids if input_ids is not None else call.get("inputs_embeds"))
-        if traced == STEPPING_ASIDE or _passed_on(input_ids, adapter):
+        if traced == STEPPING_ASIDE or _passed_on(input_ids, family):
             return original(self, **call)
         eager = traced != COMPILING
         if eager and _reports.pending:
             _reports.poll()  # position reports of earlier steps, read once their copies have landed (never waiting)
-        limits = model_limits(self, adapter) if eager else adapter.limits(self.config)  # (compiled: constants)
-        view = _read_cache(self, call, adapter, eager)
+        limits = model_limits(self, family) if eager else family.limits(self.config)  # (compiled: constants)
+        view = _read_cache(self, call, family, eager)
         if view is _caches.EVICTING:  # (SinkCache: nothing can be judged against it)
             return original(self, **call)
         step = _step_inputs(call, view)
         try:
-            kept, aligned = _judge(self, step, view, limits, call, adapter, eager)
+            kept, aligned = _judge(self, step, view, limits, call, family, eager)
         except NeofixError:
-            fresh = model_limits(self, adapter, afresh=True) if eager else limits
+            fresh = model_limits(self, family, afresh=True) if eager else limits
             if fresh == limits:
                 raise  # refused on the model as it is
-            kept, aligned = _judge(self, step, view, fresh, call, adapter, eager)  # its config was edited since: again
+            kept, aligned = _judge(self, step, view, fresh, call, family, eager)  # its config was edited since: again
         if kept:  # the usual step: nothing to change (see keeps_every_rule)
-            return _call(original, self, call, view, adapter, eager)
+            return _call(original, self, call, view, family, eager)
         if aligned is None:  # neither input_ids nor inputs_embeds: transformers raises its own error
             return original(self, **call)
         _apply(aligned, call, takes_positions)
         if eager:
             _report(self, aligned, view, step.attention_mask)
-        return _call(original, self, call, view, adapter, eager, aligned.right_padded, aligned.built)
+        return _call(original, self, call, view, family, eager, aligned.right_padded, aligned.built)
         _a = _b = _c = _d = _e = _f = _g = _h = _i = _j = _k = None  # _FX_ROOM: never runs (see above)
 
     return _mark(forward)

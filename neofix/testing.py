@@ -252,6 +252,19 @@ FAMILY_CONFIGS["gpt_oss"] = (
         num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager",
     ),
 )
+#: Falcon (Falcon-7B's layout): rotary positions (``alibi`` off), multi-query attention (one key-value head of width 8
+#: for the 4 query heads), attention and MLP in parallel, no biases, no dropout; 64 positions
+#: (``max_position_embeddings``: no table, the rotary embedding extrapolates).  ``tiny_model("falcon", alibi=True)``
+#: builds the ALiBi kind (Falcon-RW's).
+FAMILY_CONFIGS["falcon"] = (
+    "FalconConfig",
+    "FalconForCausalLM",
+    dict(
+        _COMMON, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False,
+        hidden_dropout=0.0, attention_dropout=0.0, initializer_range=0.3,
+    ),
+)
 #: Starcoder2: Mistral's shape (window 4) with biased projections and LayerNorm; no dropout.
 FAMILY_CONFIGS["starcoder2"] = (
     "Starcoder2Config",

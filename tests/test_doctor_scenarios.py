@@ -117,6 +117,11 @@ def test_context_of_the_tiny_gpt_neo(ctx):
             "gpt_bigcode", "mask" if TF_RELEASE < (4, 54) else "absolute", 64, 64, True,
             marks=pytest.mark.skipif(TF_RELEASE < (4, 30), reason="neofix patches GPT-BigCode from transformers 4.30"),
         ),
+        # rotary (its tiny model's config; an ALiBi one reads as "none": tests/test_family_falcon.py); no table
+        pytest.param(
+            "falcon", "rotary", None, 64, True,
+            marks=pytest.mark.skipif(TF_RELEASE < (4, 36), reason="neofix patches Falcon from transformers 4.36"),
+        ),
     ],
 )
 def test_context_of_other_families(family, positions, limit, max_positions, takes_positions):

@@ -41,11 +41,13 @@ class Context:
     def __init__(self, model: Any, adapter: Any = None) -> None:
         import inspect
 
+        from .._families._contract import for_model
+
         if adapter is None:
             from .._families.gpt_neo import ADAPTER as adapter
-        self.model = model
-        self.adapter = adapter
         config = model.config
+        self.model = model
+        self.adapter = adapter = for_model(adapter, config)  # (Falcon's positions: its config's kind)
         self.vocab_size = int(config.vocab_size)
         self.positions_kind = adapter.positions.value
         #: the position table's size where running past it is an error, else None (the model extrapolates)

@@ -325,6 +325,31 @@ OLMO2 = _rotary(
     patched_from="4.48",
     untested="4.47 is not tested: no release of the test matrix has it",
 )
+# Falcon: rotary positions, or ALiBi where its config says (its adapter's positions_of); patched from the first release
+# of the test matrix that has it.  4.36 - 4.44 build its causal mask through transformers' helpers (float64 overflows;
+# the sdpa one unmasks a left-padded rotary chunk after a cache wrongly up to 4.38), and with ALiBi its sdpa path
+# unmasks such a chunk through AttentionMaskConverter wrongly on 4.36 - 4.38 (as GPT-BigCode's there)
+FALCON = _standard(
+    "falcon",
+    "Falcon",
+    "FalconModel",
+    "FalconForCausalLM",
+    *_rotary_float64_masks("Falcon", "4.36", "4.45"),
+    Target(
+        "",
+        "AttentionMaskConverter",
+        wrapper="make_unmask_converter",
+        since="4.36",
+        until="4.39",
+        why="only transformers 4.36 - 4.38 unmask the rows of a left-padded chunk after a cache in Falcon's ALiBi sdpa "
+        "path by counting its columns from 0 (4.39 unmasks the rows every key of which is masked)",
+    ),
+    no_stopping="Falcon has no position table (its rotary positions and ALiBi extrapolate past "
+    "max_position_embeddings): no generate call runs past one, so there is nothing to refuse",
+    since="4.36",
+    why_since="neofix patches Falcon from transformers 4.36 (transformers has it from 4.33; 4.33 - 4.35 are not tested: "
+    "no release of the test matrix has them)",
+)
 PHI3 = _rotary(
     "phi3", "Phi3", "Phi3Model", "Phi3ForCausalLM", "4.41",
     patched_from="4.45",
@@ -337,7 +362,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM, GPT_BIGCODE,
         LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3, PHI, PHI3, GRANITE, SMOLLM3,
-        GPT_OSS, STARCODER2, OLMO2,
+        GPT_OSS, STARCODER2, OLMO2, FALCON,
     )
 }
 

@@ -2,13 +2,16 @@
 
 Every family module of this package declares one ``ADAPTER``; the wrappers read a family only through it.  Adding
 a family is one module that declares its :class:`~neofix._families.Family` (in ``__init__``'s registry) and its
-``ADAPTER``; nothing in :mod:`neofix._core` or :mod:`neofix._wrappers` changes.
+``ADAPTER``; nothing in :mod:`neofix._core` or :mod:`neofix._wrappers` changes.  A family whose models differ in what
+positions mean to them, by their config (Falcon: ALiBi or rotary), says so with ``positions_of``: the model forward
+reads each model through the adapter of its kind (:func:`for_model`).
 
 Imported by the adapters only (torch and transformers are loaded already).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -50,7 +53,8 @@ class Adapter:
 
     #: The declaration: modeling module, base model and causal-LM classes, the attributes neofix replaces.
     family: Family
-    #: What positions mean to the family (learned table, mask-derived, rotary, none): how alignment treats them.
+    #: What positions mean to the family (learned table, mask-derived, rotary, none): how alignment treats them.  For a
+    #: family whose config decides (``positions_of``), what they mean to its usual config.
     positions: Positions
     #: ``limits(config)``: the position table's size (``None`` where running past it is no error), vocabulary,
     #: hidden width, heads and head width, read from the model's config.
@@ -74,6 +78,27 @@ class Adapter:
     #: ``explain_overflow(error, config, mask, positions, past)``: for a family whose position limit depends on the
     #: mask's values (OPT), turns the lookup's ``IndexError`` into :class:`~neofix.SequenceTooLongError` (raises).
     explain_overflow: Optional[Callable[..., None]] = None
+    #: ``positions_of(config)``: what positions mean to one model, for a family whose config decides (Falcon: ALiBi,
+    #: built from the mask, where ``config.alibi``; else rotary); the model forward reads the adapter of that kind in
+    #: place of this one (:func:`for_model`, once per call).  ``None``: ``positions`` hold for every model.
+    positions_of: Optional[Callable[[Any], Positions]] = None
+
+
+#: (id of an adapter, a kind of positions) -> (the adapter, its copy with that kind): made once each (adapters live as
+#: long as their modules)
+_OF_KIND: dict[tuple[int, Positions], tuple[Adapter, Adapter]] = {}
+
+
+def for_model(adapter: Adapter, config: Any) -> Adapter:
+    """The adapter as a model of ``config`` reads: ``adapter`` itself, or, where its ``positions_of`` gives that model
+    another kind of positions than its ``positions``, its copy with that kind (every other fact the same)."""
+    kind = adapter.positions_of(config) if adapter.positions_of is not None else adapter.positions
+    if kind is adapter.positions:
+        return adapter
+    made = _OF_KIND.get((id(adapter), kind))
+    if made is None:
+        made = _OF_KIND[id(adapter), kind] = (adapter, dataclasses.replace(adapter, positions=kind))
+    return made[1]
 
 
 def make_limits(

@@ -109,7 +109,8 @@ ADAPTER = Adapter(
     layers=make_layers("h"),  # FalconModel's decoder layers
     check_step=check_step if STATIC_CACHE_OF_EVERY_HEAD else no_check,
     # no window: a static cache's empty slots are masked by the 4D mask transformers builds for it; 4.45 - 4.55 build
-    # one a multi-query model cannot fill (refused).  Legacy tuples: rejected from 4.54 (4.45 - 4.53 convert them, 4.36 - 4.44 take nothing else)
+    # one a multi-query model cannot fill (refused).  Legacy tuples: rejected from 4.54 (4.45 - 4.53 convert them,
+    # 4.36 - 4.44 take nothing else)
     legacy_cache_rejected=_compat.release() >= (4, 54),
     flat_input_ids_accepted=False,
 )

@@ -151,8 +151,10 @@ def windowed(model):
 def layers_ran(model, call):
     """``(outcome of call(), whether the first decoder layer ran)``."""
     ran = []
-    base = model.base_model
-    blocks = base.layers if hasattr(base, "layers") else base.h  # (Falcon's are h)
+    # (the base model is .model, or, for Falcon, .transformer, whose blocks are .h; base_model is not: Gemma3's causal
+    # LM names another prefix on 4.57, and is its own base_model there)
+    base = model.model if hasattr(model, "model") else model.transformer
+    blocks = base.layers if hasattr(base, "layers") else base.h
     handle = blocks[0].register_forward_pre_hook(lambda *_: ran.append(True))
     try:
         return run(call)[0], bool(ran)

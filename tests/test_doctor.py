@@ -689,7 +689,10 @@ def test_every_family_is_loaded_before_the_check(monkeypatch, two_scenarios):
         if isinstance(rows, str):
             assert entry == {"family": title, "skipped": rows}
         else:
-            assert (entry["scenarios"], entry["right"], entry["wrong"]) == (2, 2, []), entry
+            # (of the two scenarios, those that apply to the family on this release: Gemma2's own cache on 4.45 - 4.52
+            # holds the prompt only, and no hand loop runs)
+            assert entry["scenarios"] == len(rows) >= 1 and entry["right"] == len(rows), entry
+            assert entry["wrong"] == [] and entry["vanilla_wrong"] == _report._vanilla_wrong(rows), entry
     assert any("scenarios" in entry for entry in listed)
 
 

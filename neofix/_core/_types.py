@@ -56,7 +56,8 @@ class Positions(enum.Enum):
       own, the columns, would not continue it), and after one built with the mask's plus an offset, those; after one
       built with positions of no scheme (offsets that differ by row, say), the steps' positions are left as given, as
       vanilla does.
-    * ``NONE`` (BLOOM, ALiBi): the model takes no positions; they are left alone.
+    * ``NONE`` (BLOOM; Falcon's ALiBi models, by their config): the model reads no positions (its ALiBi comes from
+      the mask; Falcon's forward takes them and never reads them); they are left alone.
     """
 
     ABSOLUTE = "absolute"

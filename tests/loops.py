@@ -42,6 +42,30 @@ def patched_and_vanilla(run: Callable[[], Any], *, vanilla_first: bool = False) 
     return patched, plain
 
 
+def left_padded_chunk_after_a_cache(model) -> tuple[Any, Any, Any]:
+    """Three tokens after a cache of six, rows left-padded by four and five, run patched and vanilla:
+    ``(logits of one forward over the whole sequence at the chunk, patched outcome, vanilla outcome)``, each outcome
+    the chunk's logits or the exception it raised (warnings silenced)."""
+    import warnings
+
+    ids, mask = left_padded_batch([9, 5, 4])
+    key = cache_keyword(model)
+
+    def chunked():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                cache = output_cache(model(input_ids=ids[:, :6], attention_mask=mask[:, :6], use_cache=True))
+                return model(input_ids=ids[:, 6:], attention_mask=mask, use_cache=True, **{key: cache}).logits
+            except Exception as exc:  # noqa: BLE001 - the outcome is asserted
+                return exc
+
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask).logits[:, 6:]
+    patched, plain = patched_and_vanilla(chunked)
+    return whole, patched, plain
+
+
 @torch.no_grad()
 def decode(
     model,

@@ -22,19 +22,17 @@ def family():
 # -- what the model's config decides: ALiBi or rotary, and its cache's heads ------------------------------------------
 
 import sys  # noqa: E402
-import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
-import neofix  # noqa: E402
 from neofix._core import Positions  # noqa: E402
 from neofix._doctor._scenarios import Context  # noqa: E402
 from neofix._families import FAMILIES  # noqa: E402
 from neofix.testing import reference_greedy, tiny_model  # noqa: E402
 
 from ._modern_family import float64_mask_overflows, run, vanilla  # noqa: E402
-from ._versions import TF_RELEASE, cache_keyword, output_cache  # noqa: E402
-from .loops import decode, left_padded_batch, patched_and_vanilla  # noqa: E402
+from ._versions import TF_RELEASE, output_cache  # noqa: E402
+from .loops import decode, left_padded_batch, left_padded_chunk_after_a_cache, patched_and_vanilla  # noqa: E402
 
 #: The configs measured (the adapter's docstring): the tiny model's (multi-query, Falcon-7B's layout), multi-head,
 #: the new decoder architecture with 2 key-value groups (Falcon-40B's), and ALiBi (Falcon-RW's, multi-head).
@@ -135,18 +133,7 @@ def test_a_left_padded_chunk_after_a_cache_gives_the_whole_forwards_logits(kind)
     rows of such a chunk as if it started the sequence (ALiBi: ``AttentionMaskConverter._unmask_unattended``; rotary:
     the sdpa mask helper): vanilla fails (``IndexError``); neofix builds that mask right."""
     model = tiny_model("falcon", seed=0, dtype=torch.float32, **KINDS[kind])
-    ids, mask = left_padded_batch([9, 5, 4])
-    key = cache_keyword(model)
-
-    def chunked():
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cache = output_cache(model(input_ids=ids[:, :6], attention_mask=mask[:, :6], use_cache=True))
-            return model(input_ids=ids[:, 6:], attention_mask=mask, use_cache=True, **{key: cache}).logits
-
-    with torch.no_grad():
-        whole = model(input_ids=ids, attention_mask=mask).logits[:, 6:]
-    (patched, _), (plain, _) = patched_and_vanilla(lambda: run(chunked))
+    whole, patched, plain = left_padded_chunk_after_a_cache(model)
     assert isinstance(patched, torch.Tensor), patched
     torch.testing.assert_close(patched, whole, rtol=1e-4, atol=1e-4)
     buggy = (4, 36) <= TF_RELEASE < (4, 39)

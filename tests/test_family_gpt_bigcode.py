@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import warnings
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from neofix._families import FAMILIES
 from neofix.testing import reference_greedy, tiny_model
 
 from ._versions import TF_RELEASE, cache_keyword, legacy, output_cache
-from .loops import decode, left_padded_batch, patched_and_vanilla
+from .loops import decode, left_padded_batch, left_padded_chunk_after_a_cache, patched_and_vanilla
 from .test_families import NAMES, run
 
 STEPS = 5
@@ -145,18 +144,7 @@ def test_a_left_padded_chunk_after_a_cache_gives_the_whole_forwards_logits(multi
     such a chunk as if it started the sequence: vanilla fails (``IndexError``, a row padded past the chunk) or
     computes wrong logits; neofix replaces that unmasking (``make_unmask_converter``)."""
     model = model_of(multi_query, torch.float32)
-    ids, mask = left_padded_batch([9, 5, 4])
-    key = cache_keyword(model)
-
-    def chunked():
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cache = output_cache(model(input_ids=ids[:, :6], attention_mask=mask[:, :6], use_cache=True))
-            return model(input_ids=ids[:, 6:], attention_mask=mask, use_cache=True, **{key: cache}).logits
-
-    with torch.no_grad():
-        whole = model(input_ids=ids, attention_mask=mask).logits[:, 6:]
-    (patched, _), (plain, _) = patched_and_vanilla(lambda: run(chunked))
+    whole, patched, plain = left_padded_chunk_after_a_cache(model)
     assert isinstance(patched, torch.Tensor), patched
     torch.testing.assert_close(patched, whole, rtol=1e-4, atol=1e-4)
     buggy = (4, 36) <= TF_RELEASE < (4, 39)

@@ -152,6 +152,20 @@ def _float64_mask(
     )
 
 
+def _unmask_converter(path: str) -> Target:
+    """``AttentionMaskConverter`` as a family's modeling module imported it on 4.36 - 4.38, whose sdpa ``path``
+    unmasks the rows of a left-padded chunk after a cache wrongly (``gpt_bigcode.make_unmask_converter``)."""
+    return Target(
+        "",
+        "AttentionMaskConverter",
+        wrapper="make_unmask_converter",
+        since="4.36",
+        until="4.39",
+        why=f"only transformers 4.36 - 4.38 unmask the rows of a left-padded chunk after a cache in {path} by "
+        "counting its columns from 0 (4.39 unmasks the rows every key of which is masked)",
+    )
+
+
 GPT_NEO = _standard(
     "gpt_neo",
     "GPT-Neo",
@@ -213,15 +227,7 @@ GPT_BIGCODE = _standard(
     "GPTBigCodeModel",
     "GPTBigCodeForCausalLM",
     # its sdpa path unmasks the rows of left-padding queries as if a step of several tokens started the sequence
-    Target(
-        "",
-        "AttentionMaskConverter",
-        wrapper="make_unmask_converter",
-        since="4.36",
-        until="4.39",
-        why="only transformers 4.36 - 4.38 unmask the rows of a left-padded chunk after a cache in GPT-BigCode's sdpa "
-        "path by counting its columns from 0 (4.39 unmasks the rows every key of which is masked)",
-    ),
+    _unmask_converter("GPT-BigCode's sdpa path"),
     since="4.30",
     why_since="neofix patches GPT-BigCode from transformers 4.30 (transformers has it from 4.28; 4.28 - 4.29 are not "
     "tested: no release of the test matrix has them)",
@@ -335,15 +341,7 @@ FALCON = _standard(
     "FalconModel",
     "FalconForCausalLM",
     *_rotary_float64_masks("Falcon", "4.36", "4.45"),
-    Target(
-        "",
-        "AttentionMaskConverter",
-        wrapper="make_unmask_converter",
-        since="4.36",
-        until="4.39",
-        why="only transformers 4.36 - 4.38 unmask the rows of a left-padded chunk after a cache in Falcon's ALiBi sdpa "
-        "path by counting its columns from 0 (4.39 unmasks the rows every key of which is masked)",
-    ),
+    _unmask_converter("Falcon's ALiBi sdpa path"),
     no_stopping="Falcon has no position table (its rotary positions and ALiBi extrapolate past "
     "max_position_embeddings): no generate call runs past one, so there is nothing to refuse",
     since="4.36",

@@ -82,8 +82,10 @@ class References:
         self.tokens: dict[tuple[str, int], torch.Tensor] = {}
 
     def row(self, name: str, base: int, length: int, count: int) -> torch.Tensor:
+        """The first ``count`` reference tokens, or fewer where the row ends with EOS before the table does."""
         tokens = self.available(name, base, length)
-        assert count <= tokens.shape[0], "asked for a reference past max_position_embeddings"
+        ended = bool((tokens == EOS).any())
+        assert count <= tokens.shape[0] or ended, "asked for a reference past max_position_embeddings"
         return tokens[:count]
 
     def available(self, name: str, base: int, length: int) -> torch.Tensor:
@@ -452,6 +454,7 @@ def with_eos(tokens: list[torch.Tensor], max_new: int, pad_id: int) -> torch.Ten
 
 @example(case=GenerateCase("short", ((0, 5), (1, 2)), 6, 0, 3, "repair", False, None))  # too long
 @example(case=GenerateCase("short", ((0, 5), (1, 2)), 8, 0, 3, "repair", False, None))  # the prompt alone
+@example(case=GenerateCase("short", ((1, 6),), 6, 0, 3, "repair", False, None))  # EOS before the table's end
 @example(case=GenerateCase("main", ((0, 5), (1, 2)), 6, 0, 3, "strict", True, (1, 0, VOCAB)))  # id in a pad column
 @example(case=GenerateCase("main", ((0, 6), (1, 2), (2, 4), (3, 1)), 7, 1, 5, "strict", True, None))
 @PROPERTY

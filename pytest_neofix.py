@@ -33,8 +33,8 @@ def tiny_model() -> Callable[..., Any]:
     random causal LM of any family neofix patches (``neofix.FAMILIES``: "gpt_neo", "gpt2", "gptj", "codegen",
     "gpt_neox", "opt", "bloom", "gpt_bigcode", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
     "qwen3_moe", "gemma", "gemma2", "gemma3", "phi", "phi3", "granite", "smollm3", "gpt_oss", "starcoder2", "olmo2",
-    "falcon"),
-    built from a config (no download), its output layer sharpened. Using it imports neofix, as ``gpt_neo_tiny`` does."""
+    "olmo", "cohere", "falcon"), built from a config (no download), its output layer sharpened. Using it imports
+    neofix, as ``gpt_neo_tiny`` does."""
     from neofix.testing import tiny_model
 
     return tiny_model

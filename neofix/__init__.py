@@ -1,9 +1,9 @@
-"""neofix: cached decoding in Hugging Face transformers, correct at every step, for twenty-six decoder families.
+"""neofix: cached decoding in Hugging Face transformers, correct at every step, for twenty-eight decoder families.
 
 ``import neofix`` registers a patch on transformers' GPT-Neo, GPT-2, GPT-J, CodeGen, GPT-NeoX, OPT, BLOOM, GPT-BigCode,
 Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Gemma2, Gemma3, Phi, Phi3, Granite, SmolLM3,
-GPT-OSS, Starcoder2, OLMo2 and Falcon (each applied when transformers loads that family's modeling module, or at once if it
-already has; a family the installed release lacks is skipped).  On every forward step the attention mask is made to
+GPT-OSS, Starcoder2, OLMo2, OLMo, Cohere and Falcon (each applied when transformers loads that family's modeling module,
+or at once if it already has; a family the installed release lacks is skipped).  On every forward step the attention mask is made to
 cover the cached plus the new tokens, position ids are derived from the mask and advance by one per real token, and the
 KV cache, mask, positions and inputs are validated against each other.  What can be repaired is repaired (with a
 one-time :class:`NeofixWarning`); what cannot raises :class:`NeofixError`, a ``ValueError`` naming the lengths

@@ -273,6 +273,12 @@ FAMILY_CONFIGS["starcoder2"] = (
 )
 #: OLMo2: Llama's shape with normalised queries and keys, the norms after attention and MLP.
 FAMILY_CONFIGS["olmo2"] = ("Olmo2Config", "Olmo2ForCausalLM", dict(FAMILY_CONFIGS["llama"][2]))
+#: OLMo (the first): Llama's shape with a layer norm without parameters, queries, keys and values clipped at 8
+#: (``clip_qkv``, as OLMo-7B-0424's).
+FAMILY_CONFIGS["olmo"] = ("OlmoConfig", "OlmoForCausalLM", dict(FAMILY_CONFIGS["llama"][2], clip_qkv=8.0))
+#: Cohere: Llama's shape with interleaved rotary pairs, attention and MLP in parallel, its logits scaled by its default
+#: ``logit_scale`` (1/16); ``use_qk_norm`` off, its default.
+FAMILY_CONFIGS["cohere"] = ("CohereConfig", "CohereForCausalLM", dict(FAMILY_CONFIGS["llama"][2]))
 
 
 def tiny_config(family: str = "gpt_neo", **overrides: Any) -> Any:

@@ -635,7 +635,8 @@ HEADS = {
     "gpt_bigcode": ("n_head",),
     "falcon": ("num_attention_heads",),  # multi-query too: one key-value head (8 heads: one of width 4)
     **dict.fromkeys(
-        ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi", "phi3", "granite", "starcoder2", "olmo2"),
+        ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi", "phi3", "granite", "starcoder2", "olmo2", "olmo",
+         "cohere"),
         ("num_attention_heads", "num_key_value_heads"),
     ),
     # head_dim set in their tiny configs: 8 heads of width 4 named as such

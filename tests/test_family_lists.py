@@ -86,7 +86,7 @@ def test_every_family_has_its_scenario_module():
     assert modern == [
         "gpt_bigcode", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3", "phi",
         "phi3", "granite", "smollm3", "gpt_oss", "starcoder2",
-        "olmo2", "falcon",
+        "olmo2", "olmo", "cohere", "falcon",
     ]
     for name in modern:
         assert (ROOT / "tests" / f"test_family_{name}.py").exists(), name

@@ -275,10 +275,10 @@ def _rotary_float64_masks(family: str, since: str, until: str) -> tuple[Target, 
 
 
 # Llama, Mistral, Gemma, Gemma2, Phi3, Starcoder2 and OLMo2 are patched from the first release of the test matrix
-# (tox.ini) that has them; Phi, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma3, Granite, SmolLM3 and GPT-OSS from
-# their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does: through the helpers below).  Before 4.42
-# several of them build their causal mask through transformers' helpers, which overflow in float64 (vanilla cannot run a
-# float64 model there; neofix can).
+# (tox.ini) that has them; Phi, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma3, Granite, SmolLM3, GPT-OSS, OLMo and
+# Cohere from their arrival (Qwen2 4.37 - 4.39 build its mask as the tested 4.40 does: through the helpers below).
+# Before 4.42 several of them build their causal mask through transformers' helpers, which overflow in float64 (vanilla
+# cannot run a float64 model there; neofix can).
 LLAMA = _rotary(
     "llama", "Llama", "LlamaModel", "LlamaForCausalLM", "4.28",
     *_rotary_float64_masks("Llama", "4.36", "4.38"),
@@ -331,6 +331,10 @@ OLMO2 = _rotary(
     patched_from="4.48",
     untested="4.47 is not tested: no release of the test matrix has it",
 )
+# OLMo (the first) and Cohere (Command-R) arrived in 4.40 with Llama's causal mask of that release (built from
+# cache_position, not through the float64 helpers)
+OLMO = _rotary("olmo", "OLMo", "OlmoModel", "OlmoForCausalLM", "4.40")
+COHERE = _rotary("cohere", "Cohere", "CohereModel", "CohereForCausalLM", "4.40")
 # Falcon: rotary positions, or ALiBi where its config says (its adapter's positions_of); patched from the first release
 # of the test matrix that has it.  4.36 - 4.44 build its causal mask through transformers' helpers (float64 overflows;
 # the sdpa one unmasks a left-padded rotary chunk after a cache wrongly up to 4.38), and with ALiBi its sdpa path
@@ -360,7 +364,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         GPT_NEO, GPT2, GPTJ, CODEGEN, GPT_NEOX, OPT, BLOOM, GPT_BIGCODE,
         LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3, PHI, PHI3, GRANITE, SMOLLM3,
-        GPT_OSS, STARCODER2, OLMO2, FALCON,
+        GPT_OSS, STARCODER2, OLMO2, OLMO, COHERE, FALCON,
     )
 }
 

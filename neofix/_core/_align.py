@@ -276,9 +276,14 @@ def cache_problem(cache: CacheView, batch: int, new: int, limits: Limits) -> Neo
             f"inputs must hold the same rows (reorder or select the cache with the inputs, e.g. after beam search)"
         )
     if heads is not None and model_heads is not None and (heads != model_heads or head_dim != model_head_dim):
+        # Heads of another width only: also what a cache built from a config ``head_dim`` looks like on a release
+        # whose attention does not read it (hidden_size / heads), e.g. transformers' own static cache for Llama 4.40.
+        built_by = "another model" if heads != model_heads else (
+            f"another model, or from a config head_dim of {head_dim} that this model's attention does not use"
+        )
         return InputShapeError(
             f"the cache holds keys of {heads} heads of width {head_dim}, but this model has {model_heads} "
-            f"heads of width {model_head_dim}: the cache was built by another model. Pass the cache this model "
+            f"heads of width {model_head_dim}: the cache was built by {built_by}. Pass the cache this model "
             f"returned, or none (the prompt is then encoded again)"
         )
     if lengths is not None and past is not None and lengths.count(past) != len(lengths):

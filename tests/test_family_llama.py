@@ -28,7 +28,7 @@ def family():
 def test_a_static_cache_of_a_config_head_dim_the_attention_ignores_is_named(family):
     """Up to 4.44 Llama's attention uses hidden_size / heads (8 here) and ignores a config ``head_dim`` (16), which
     the static cache ``generate`` builds reads: vanilla fails writing the cache (the widths differ); neofix refuses before
-    any layer runs, and says that the config's ``head_dim`` may be why, not only another model's cache."""
+    any layer runs, and names the config's ``head_dim`` as the cause, not another model's cache."""
     model = tiny_model("llama", head_dim=16)
     ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
     call = dict(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=2, do_sample=False,
@@ -38,7 +38,7 @@ def test_a_static_cache_of_a_config_head_dim_the_attention_ignores_is_named(fami
     with pytest.raises(neofix.InputShapeError) as raised:
         model.generate(**call)
     assert str(raised.value) == (
-        "the cache holds keys of 2 heads of width 16, but this model has 2 heads of width 8: the cache was built by "
-        "another model, or from a config head_dim of 16 that this model's attention does not use. Pass the cache "
-        "this model returned, or none (the prompt is then encoded again)"
+        "the cache holds keys of 2 heads of width 16, but this model has 2 heads of width 8: the cache was built from "
+        "the config's head_dim of 16, which this model's attention does not use on this transformers release (it "
+        "uses hidden_size // num_attention_heads). Leave head_dim out of the config or set it to 8"
     )

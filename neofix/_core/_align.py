@@ -269,22 +269,26 @@ def cache_problem(cache: CacheView, batch: int, new: int, limits: Limits) -> Neo
     positions, a left-padded step may still fit: see :func:`check_cache`)."""
     # Unpacked at once: a named field costs a lookup each.
     past, rows, lengths, _, heads, head_dim, _, _ = cache
-    max_positions, _, _, model_heads, model_head_dim, _ = limits
+    max_positions, _, _, model_heads, model_head_dim, _, unused_head_dim = limits
     if rows is not None and rows != batch:
         return BatchMismatchError(
             f"the cache holds {counted(rows, 'row')}, but this step feeds {batch}: the cache, attention_mask and "
             f"inputs must hold the same rows (reorder or select the cache with the inputs, e.g. after beam search)"
         )
     if heads is not None and model_heads is not None and (heads != model_heads or head_dim != model_head_dim):
-        # Heads of another width only: also what a cache built from a config ``head_dim`` looks like on a release
-        # whose attention does not read it (hidden_size / heads), e.g. transformers' own static cache for Llama 4.40.
-        built_by = "another model" if heads != model_heads else (
-            f"another model, or from a config head_dim of {head_dim} that this model's attention does not use"
+        found = (
+            f"the cache holds keys of {heads} heads of width {head_dim}, but this model has {model_heads} heads of "
+            f"width {model_head_dim}"
         )
+        if heads == model_heads and head_dim == unused_head_dim:  # e.g. the static cache generate builds from it
+            return InputShapeError(
+                f"{found}: the cache was built from the config's head_dim of {head_dim}, which this model's attention "
+                f"does not use on this transformers release (it uses hidden_size // num_attention_heads). Leave "
+                f"head_dim out of the config or set it to {model_head_dim}"
+            )
         return InputShapeError(
-            f"the cache holds keys of {heads} heads of width {head_dim}, but this model has {model_heads} "
-            f"heads of width {model_head_dim}: the cache was built by {built_by}. Pass the cache this model "
-            f"returned, or none (the prompt is then encoded again)"
+            f"{found}: the cache was built by another model. Pass the cache this model returned, or none (the prompt "
+            f"is then encoded again)"
         )
     if lengths is not None and past is not None and lengths.count(past) != len(lengths):
         # (one pass in C for the usual case, every layer holding past; the loop skips layers that cannot tell)

@@ -126,6 +126,8 @@ class Limits(NamedTuple):
     ``wider_than_table``: only the positions looked up are bounded by the table, not the cached plus new tokens (the
     attention keeps no buffer of ``max_positions`` columns): a left-padded step wider than the table runs right
     while its positions fit, and its positions are read to tell (see :func:`~neofix._core._align.check_cache`).
+    ``unused_head_dim``: a config ``head_dim`` other than ``head_dim`` that this release's attention does not read
+    (where the static cache transformers builds does: the error of such a cache names it), else ``None``.
     """
 
     max_positions: int | None
@@ -134,6 +136,7 @@ class Limits(NamedTuple):
     heads: int | None = None
     head_dim: int | None = None
     wider_than_table: bool = False
+    unused_head_dim: int | None = None
 
 
 class StepInputs(NamedTuple):

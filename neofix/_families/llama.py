@@ -59,13 +59,15 @@ def rotary_limits(
     def limits(config: Any) -> Limits:
         heads = config.num_attention_heads
         key_value_heads = (getattr(config, "num_key_value_heads", None) if grouped else None) or heads
-        head_dim = (getattr(config, "head_dim", None) if own_head_dim else None) or config.hidden_size // heads
+        configured = getattr(config, "head_dim", None)
+        head_dim = (configured if own_head_dim else None) or config.hidden_size // heads
         return Limits(
             max_positions=None,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
             heads=key_value_heads,
             head_dim=head_dim,
+            unused_head_dim=configured if configured and configured != head_dim else None,
         )
 
     return limits

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import textwrap
 import warnings
 
 import pytest
@@ -16,6 +14,7 @@ import neofix
 from neofix import _lifecycle
 from neofix._families import FAMILIES
 
+from . import _fresh
 from ._versions import has
 
 OWNERS = {
@@ -42,16 +41,11 @@ def class_attributes():
 
 
 def run_python(code, **env):
-    """Run ``code`` in a fresh interpreter; return its stdout parsed as JSON (the last line)."""
+    """Run ``code`` in a fresh interpreter (``python -W default -c``, forked from a warm one: :mod:`tests._fresh`);
+    return its stdout parsed as JSON (the last line)."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("NEOFIX_")}
     environment.update(env)
-    result = subprocess.run(
-        [sys.executable, "-W", "default", "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=300,
-    )
+    result = _fresh.run(code, environment, warnoptions=("default",))
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
 

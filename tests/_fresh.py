@@ -121,7 +121,9 @@ def _stop_all() -> None:
     _servers.clear()
 
 
-def run(code: str, env: dict[str, str], warnoptions: tuple[str, ...] = (), timeout: float = 300) -> subprocess.CompletedProcess:
+def run(
+    code: str, env: dict[str, str], warnoptions: tuple[str, ...] = (), timeout: float = 300
+) -> subprocess.CompletedProcess:
     """``python [-W OPTION ...] -c CODE`` with environment ``env``, as a child of the warm interpreter: its exit
     status, stdout and stderr (text).  A run past ``timeout`` seconds raises ``subprocess.TimeoutExpired``."""
     server = _server(warnoptions)

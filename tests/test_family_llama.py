@@ -27,8 +27,8 @@ def family():
 )
 def test_a_static_cache_of_a_config_head_dim_the_attention_ignores_is_named(family):
     """Up to 4.44 Llama's attention uses hidden_size / heads (8 here) and ignores a config ``head_dim`` (16), which
-    the static cache ``generate`` builds reads: vanilla fails writing the cache (the widths differ); neofix refuses before
-    any layer runs, and names the config's ``head_dim`` as the cause, not another model's cache."""
+    the static cache ``generate`` builds reads: vanilla fails writing the cache (the widths differ); neofix refuses
+    before any layer runs, and names the config's ``head_dim`` as the cause, not another model's cache."""
     model = tiny_model("llama", head_dim=16)
     ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
     call = dict(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=2, do_sample=False,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import pickle
 import random
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -117,27 +118,38 @@ def test_patch_unpatch_from_many_threads():
 
 
 def test_decoding_while_another_thread_patches():
-    """Decoding stays right while another thread patches and unpatches (float32: vanilla 4.36 - 4.44 needs it)."""
+    """Decoding stays right while another thread patches and unpatches (float32: vanilla 4.36 - 4.44 needs it).
+
+    The interpreter switches threads every 0.1 ms instead of every 5: the decoding thread's Python is cut into finer
+    slices between patches (a few hundred patch/unpatch pairs land in each decode), and it no longer waits 5 ms for
+    the GIL after each torch operation (which made 5 decodes take 15 s)."""
     model = tiny_gpt_neo(seed=0)
     ids, mask = left_padded_batch([5, 5])  # unpadded and synced: right patched or not
     expected = reference_greedy(model, ids, mask, 3)[:, 5:]
     stop = threading.Event()
+    toggles = 0
 
     def toggler():
+        nonlocal toggles
         while not stop.is_set():
             neofix.unpatch()
             neofix.patch()
+            toggles += 1
 
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
     thread = threading.Thread(target=toggler)
     thread.start()
     try:
-        for _ in range(5):
+        for _ in range(20):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 assert torch.equal(decode(model, ids, mask, 3), expected)
     finally:
         stop.set()
         thread.join()
+        sys.setswitchinterval(interval)
+    assert toggles > 20, toggles  # the patches ran while the decodes did
     neofix.patch()
     assert_consistent()
 

@@ -343,6 +343,36 @@ def test_a_cache_of_another_head_width_or_count_is_refused(heads, head_dim):
         align(_step(1, torch.ones(1, 4, dtype=torch.long)), view, LIMITS, Policy())
 
 
+@pytest.mark.parametrize(
+    "unused, heads, head_dim, cause",
+    [
+        (16, 4, 16, "built from the config's head_dim of 16, which this model's attention does not use"),
+        (16, 2, 16, "built by another model"),  # other heads too: not the config's cache
+        (16, 4, 4, "built by another model"),  # as many heads, of another width than the config's
+        (None, 4, 16, "built by another model"),  # a config head_dim the attention reads (or none)
+    ],
+)
+def test_a_cache_as_wide_as_a_config_head_dim_the_attention_ignores_is_named_as_built_from_it(
+    unused, heads, head_dim, cause
+):
+    """``Limits.unused_head_dim``: a cache of the model's heads as wide as that config value was built from the config
+    (the static cache transformers makes), and the error says what to set; any other cache of other heads is another
+    model's.  (The rule on numbers: tests/test_family_llama.py runs it on the releases where Llama's attention ignores
+    the config's head_dim.)"""
+    import neofix
+
+    view = CacheView(3, 1, (3, 3), None, heads, head_dim, "object")
+    with pytest.raises(neofix.InputShapeError) as raised:
+        align(_step(1, torch.ones(1, 4, dtype=torch.long)), view, LIMITS._replace(unused_head_dim=unused), Policy())
+    message = str(raised.value)
+    assert f"keys of {heads} heads of width {head_dim}, but this model has 4 heads of width 8: the cache was" in message
+    assert cause in message
+    if unused is not None and cause.startswith("built from"):
+        assert message.endswith("Leave head_dim out of the config or set it to 8")
+    else:
+        assert "Pass the cache this model returned" in message
+
+
 def test_only_a_prefill_reports_its_right_padded_rows():
     """A row ending in a pad after a real token is right padding at a prefill (decoding from it is then said); a
     chunk after a cache ending so marks nothing."""

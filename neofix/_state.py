@@ -65,6 +65,11 @@ def _cache_of(out: Any, where: str) -> Any:
     if isinstance(out, (tuple, list)):
         if _caches.is_legacy(out) or (type(out) is list and _fused(out)):
             return out
+        if out and all(type(layer) is torch.Tensor and layer.dim() == 5 and len(layer) == 2 for layer in out):
+            raise TypeError(
+                f"{where}: got a legacy cache whose layers each stack key and value in one tensor (PEFT's prefix "
+                f"tuning); pass it as one (key, value) pair per layer: tuple(tuple(layer) for layer in cache)"
+            )
         if out and isinstance(out[0], torch.Tensor):
             raise TypeError(
                 f"{where}: got the model output as a plain tuple (return_dict=False); pass the output of a "

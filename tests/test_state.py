@@ -504,6 +504,31 @@ def test_check_rejects_a_cache_of_another_batch(model):
         state.check(one_out)
 
 
+def test_a_legacy_cache_of_stacked_layers_is_named_and_taken_as_pairs(model):
+    """PEFT's prefix tuning stacks each layer's key and value in one tensor, (2, batch, heads, tokens, head_dim): the
+    state names that format, as a tuple or a list (not read as GPT-BigCode's fused layers, keys and values side by side
+    in one tensor whose first dimension is the rows), and decodes from its pairs as from the model's own cache."""
+    state, out = prefilled(model, (4, 2, 3))
+    twin, twin_out = prefilled(model, (4, 2, 3))
+    token = out.logits[:, -1].argmax(-1)
+    pairs = output_cache(out)
+    pairs = legacy(pairs) if not isinstance(pairs, tuple) else pairs
+    stacked = tuple(torch.stack(tuple(layer[:2])) for layer in pairs)
+    for given in (stacked, list(stacked)):
+        with pytest.raises(TypeError) as raised:
+            state.check(given)
+        assert str(raised.value) == (
+            "DecodeState.check: got a legacy cache whose layers each stack key and value in one tensor (PEFT's prefix "
+            "tuning); pass it as one (key, value) pair per layer: tuple(tuple(layer) for layer in cache)"
+        )
+    state.advance(token, tuple(tuple(layer) for layer in stacked))
+    twin.advance(token, twin_out)
+    with torch.no_grad():
+        logits = model(**state.model_inputs()).logits
+        expected = model(**twin.model_inputs()).logits
+    torch.testing.assert_close(logits, expected)
+
+
 # -- bad input: each gets a clear error ------------------------------------------------------------------------------
 
 

@@ -781,6 +781,23 @@ def test_generate_is_identical_to_vanilla(lm32, kwargs):
             assert got[:ended] == expected[:ended]
 
 
+def test_a_prompt_given_as_embeddings_is_identical_to_vanilla(lm32):
+    """``inputs_embeds`` instead of ``input_ids`` (as multimodal models feed a decoder): neofix checks their width
+    against the family's hidden size (its ``Limits``) and takes the batch and length from them; the logits are
+    vanilla's.  (Unpadded rows: on a left-padded one vanilla's positions differ by release and family.)"""
+    ids, mask = left_padded_batch([6, 6], seed=3)
+    with torch.no_grad():
+        embeds = lm32.get_input_embeddings()(ids)
+
+    def call(model):
+        with torch.no_grad():
+            return model(inputs_embeds=embeds, attention_mask=mask).logits
+
+    patched, plain = both(lm32, call)
+    assert patched.shape == (2, 6, lm32.config.vocab_size)
+    torch.testing.assert_close(patched, plain)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

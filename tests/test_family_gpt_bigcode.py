@@ -151,16 +151,18 @@ def test_a_left_padded_chunk_after_a_cache_gives_the_whole_forwards_logits(multi
     assert isinstance(plain, IndexError) == buggy, plain
 
 
-def test_decode_state_reorders_a_fused_cache():
-    """``DecodeState(..., model=model)`` over GPT-BigCode's own cache (fused up to 4.53): a loop that reverses the rows
-    after its second step, then continues, decodes each row's reference tokens (reordered)."""
+@pytest.mark.parametrize("handed", ["output", "cache"])
+def test_decode_state_reorders_a_fused_cache(handed):
+    """``DecodeState(..., model=model)`` over GPT-BigCode's own cache (fused up to 4.53: a list of tensors), handed
+    the output or the cache itself: a loop that reverses the rows after its second step, then continues, decodes each
+    row's reference tokens (reordered)."""
     model = model_of(True)
     ids, mask = left_padded_batch([6, 3, 5])
     state = neofix.DecodeState(ids, mask, model=model)
     with torch.no_grad():
         for step in range(STEPS):
             out = model(**state.model_inputs())
-            state.advance(out.logits[:, -1].argmax(-1), out)
+            state.advance(out.logits[:, -1].argmax(-1), out if handed == "output" else output_cache(out))
             if step == 1:
                 state.reorder(torch.tensor([2, 1, 0]))
     if adapter_module().FUSED_CACHE:

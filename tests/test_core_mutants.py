@@ -673,3 +673,19 @@ def test_opt_is_given_a_masks_tokens_so_far_over_a_static_cache_as_a_silent_name
     assert [(r.kind, bool(r.message)) for r in aligned.repairs] == [("mask_sliced", False)]
     exact = _opt_static(SO_FAR, 4)
     assert torch.equal(exact.attention_mask, SO_FAR) and exact.repairs == ()
+
+
+@pytest.mark.parametrize("missing", [None, ()], ids=["None", "empty"])
+def test_a_legacy_cache_with_a_missing_layer_is_read_as_holding_nothing_there(missing):
+    """A tuple cache whose later layers are missing (``None``, as GPT-Neo's forward once filled an unused one, or an
+    empty tuple): those layers are read as holding 0 tokens, and the step is refused naming that layer, not an
+    ``AttributeError`` from reading it, nor a length it does not hold."""
+    import neofix
+    from neofix import _caches
+
+    pair = (torch.zeros(1, 4, 3, 8), torch.zeros(1, 4, 3, 8))
+    view = _caches.read((pair, missing, pair), 3)
+    assert (view.length, view.batch, view.layer_lengths, view.heads, view.head_dim) == (3, 1, (3, 0, 3), 4, 8)
+    with pytest.raises(neofix.CacheLengthError, match=r"cache layer 1 holds 0 tokens, but layer 0 holds 3"):
+        align(_step(1, torch.ones(1, 4, dtype=torch.long)), view, LIMITS, Policy())
+    assert _caches.read((), 3).length == 0  # an empty tuple: no cache

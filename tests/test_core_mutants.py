@@ -688,4 +688,5 @@ def test_a_legacy_cache_with_a_missing_layer_is_read_as_holding_nothing_there(mi
     assert (view.length, view.batch, view.layer_lengths, view.heads, view.head_dim) == (3, 1, (3, 0, 3), 4, 8)
     with pytest.raises(neofix.CacheLengthError, match=r"cache layer 1 holds 0 tokens, but layer 0 holds 3"):
         align(_step(1, torch.ones(1, 4, dtype=torch.long)), view, LIMITS, Policy())
+    assert _caches.read([pair, missing, pair], 3) == view  # a list of layers reads as the tuple does
     assert _caches.read((), 3).length == 0  # an empty tuple: no cache

@@ -1342,3 +1342,25 @@ def test_a_chunk_without_a_mask_given_stale_positions_is_told_the_positions_it_g
         "To fix your loop: pass only the new tokens' positions, or none at all and neofix derives them from the mask. "
         "Reported once."
     ]
+
+
+def test_a_masked_token_after_an_unpadded_prompt_is_as_in_one_forward_on_a_rotary_family(lm32, adapter):
+    """An unpadded prompt given no positions (its cache built with positions on which the mask and the columns
+    agree), then a token masked out (a finished row's), then a real one given no positions: its logits are those of
+    one forward of the whole sequence with that mask and no positions, as vanilla gives them (transformers' own
+    positions, the columns, on a rotary family), not the mask's count.  (float32: vanilla's float64 masks overflow on
+    4.36 - 4.44.)"""
+    if not adapter.positions.rotary:
+        pytest.skip(f"{adapter.family.name}: not a rotary family")
+    keyword = cache_keyword(lm32)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 1]])
+    whole = torch.tensor([[11, 12, 13, 14, 21, 22]])
+    with torch.no_grad():
+        cache = output_cache(lm32(input_ids=whole[:, :4], attention_mask=mask[:, :4], use_cache=True))
+        cache = output_cache(lm32(input_ids=whole[:, 4:5], attention_mask=mask[:, :5], use_cache=True, **{keyword: cache}))
+        last = lm32(input_ids=whole[:, 5:], attention_mask=mask, use_cache=True, **{keyword: cache}).logits[:, -1]
+        with neofix.unpatched():
+            expected = lm32(input_ids=whole, attention_mask=mask).logits[:, -1]
+            counted = lm32(input_ids=whole, attention_mask=mask, position_ids=reference_positions(mask)).logits[:, -1]
+    torch.testing.assert_close(last, expected, rtol=1e-4, atol=1e-3)  # (float32 logits of up to a few hundred)
+    assert not torch.allclose(last, counted)  # (the mask's count would give other logits: the test can tell)

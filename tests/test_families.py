@@ -1357,7 +1357,9 @@ def test_a_masked_token_after_an_unpadded_prompt_is_as_in_one_forward_on_a_rotar
     whole = torch.tensor([[11, 12, 13, 14, 21, 22]])
     with torch.no_grad():
         cache = output_cache(lm32(input_ids=whole[:, :4], attention_mask=mask[:, :4], use_cache=True))
-        cache = output_cache(lm32(input_ids=whole[:, 4:5], attention_mask=mask[:, :5], use_cache=True, **{keyword: cache}))
+        cache = output_cache(
+            lm32(input_ids=whole[:, 4:5], attention_mask=mask[:, :5], use_cache=True, **{keyword: cache})
+        )
         last = lm32(input_ids=whole[:, 5:], attention_mask=mask, use_cache=True, **{keyword: cache}).logits[:, -1]
         with neofix.unpatched():
             expected = lm32(input_ids=whole, attention_mask=mask).logits[:, -1]

@@ -678,20 +678,3 @@ def test_a_sink_cache_is_passed_on_as_given(family):
 
     for run in (loop, generate):
         assert_identical(*both(run))
-
-
-@pytest.mark.parametrize("given", ["mask", "mask and positions", "positions"])
-def test_an_empty_batch_runs_as_vanilla(model, given):
-    """A batch of no rows (what dropping every finished row of a loop leaves): vanilla's outcome, its output (from
-    4.3x) or its error (4.26), and nothing added."""
-    kwargs: dict[str, Any] = {"input_ids": torch.ones(0, 3, dtype=torch.long)}
-    if "mask" in given:
-        kwargs["attention_mask"] = torch.ones(0, 3, dtype=torch.long)
-    if "positions" in given:
-        kwargs["position_ids"] = torch.zeros(0, 3, dtype=torch.long)
-    patched, plain = both(lambda: model(**kwargs))
-    if plain.error is not None:
-        assert (type(patched.error), str(patched.error)) == (type(plain.error), str(plain.error))
-        return
-    assert_identical(patched, plain)
-    assert patched.result.logits.shape[:2] == (0, 3)

@@ -583,8 +583,6 @@ def test_a_batch_of_no_rows_runs_or_fails_as_vanilla(path, inputs, monkeypatch):
     Where vanilla runs, the patched run runs too, with the same logits of no rows; where it fails, the patched run
     fails with vanilla's error unchanged.  neofix, which has no value to read, changes neither (a reduction over no
     rows used to raise ``IndexError`` on the accelerator path and wherever positions were given)."""
-    from neofix._core import _values
-
     model = fresh()
     call = {"input_ids": torch.zeros((0, 5), dtype=torch.long)}
     if inputs != "ids":
@@ -615,8 +613,6 @@ def test_a_chunk_of_no_rows_runs_or_fails_as_vanilla(path, given, monkeypatch):
     fails (4.26 - 4.30 refuse the prefill's batch of no rows; 5.10 on, the chunk's mask of 2 columns against 5 keys),
     the patched run fails with vanilla's error unchanged, neofix leaving the cache of unknown length to
     transformers."""
-    from neofix._core import _values
-
     model = fresh()
     ids = torch.zeros((0, 5), dtype=torch.long)
     mask = torch.ones((0, 5), dtype=torch.long)

@@ -104,6 +104,35 @@ def replace(parent_map, old, new):
     raise RuntimeError("parent not found")
 
 
+#: What the tests read from the checkout: copied, with the mutated module, into a temporary folder.
+COPIED = ("neofix", "tests", "setup.cfg", "pytest_neofix.py", "README.md", "docs")
+
+
+def copy_checkout() -> str:
+    """A temporary copy of :data:`COPIED` from this checkout (remove it with ``shutil.rmtree``)."""
+    copy = tempfile.mkdtemp(prefix="neofix-mutant-")
+    for name in COPIED:
+        (shutil.copytree if os.path.isdir(os.path.join(ROOT, name)) else shutil.copy)(
+            os.path.join(ROOT, name), os.path.join(copy, name)
+        )
+    return copy
+
+
+def run_tests(copy: str, python: str, tests: list[str]) -> subprocess.CompletedProcess:
+    """``pytest -x`` with ``python``, importing neofix from ``copy`` (its exit status: 1 kills a mutant)."""
+    env = {**os.environ, "PYTHONPATH": copy, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
+    return subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
+
+
+def verdict(status: int) -> str:
+    return {0: "SURVIVED", 1: "killed  "}.get(status, f"ERROR({status})")
+
+
+def first_failure(result: subprocess.CompletedProcess) -> str:
+    return next((line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))), "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["list", "run"])
@@ -118,15 +147,10 @@ def main() -> int:
         for index, (_, _, what) in enumerate(found):
             print(index, what)
         return 0
-    copy = tempfile.mkdtemp(prefix="neofix-mutate-")
-    for name in ("neofix", "tests", "setup.cfg"):
-        (shutil.copytree if os.path.isdir(os.path.join(ROOT, name)) else shutil.copy)(
-            os.path.join(ROOT, name), os.path.join(copy, name)
-        )
-    env = {**os.environ, "PYTHONPATH": copy, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [options.python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *(tests or DEFAULT_TESTS)]
+    copy = copy_checkout()
+    tests = tests or DEFAULT_TESTS
     # the unmutated copy first: tests that fail or cannot run (a path that is gone, say) would count every mutant
-    baseline = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
+    baseline = run_tests(copy, options.python, tests)
     if baseline.returncode != 0:
         print(baseline.stdout[-3000:], baseline.stderr[-3000:], sep="\n", file=sys.stderr)
         status = baseline.returncode
@@ -141,12 +165,10 @@ def main() -> int:
         mutant, what = mutated(source, index)
         with open(os.path.join(copy, "neofix", "_wrappers.py"), "w") as out:
             out.write(mutant)
-        result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
-        failed = next((line for line in result.stdout.splitlines() if line.startswith("FAILED")), "")
-        verdict = {0: "SURVIVED", 1: "killed  "}.get(result.returncode, f"ERROR({result.returncode})")
+        result = run_tests(copy, options.python, tests)
         killed += result.returncode == 1
         survived += result.returncode == 0
-        print(verdict, index, what, failed[:110], flush=True)
+        print(verdict(result.returncode), index, what, first_failure(result)[:110], flush=True)
     print(f"{killed} killed, {survived} survived", flush=True)
     shutil.rmtree(copy)
     return 0

@@ -21,12 +21,9 @@ import argparse
 import ast
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COPIED = ("neofix", "tests", "setup.cfg", "pytest_neofix.py", "README.md", "docs")
+from mutate_nested import ROOT, copy_checkout, first_failure, run_tests, verdict  # (this script's folder)
 
 
 def mutated_source(name: str, mutants: str) -> tuple[str, str]:
@@ -59,23 +56,14 @@ def main() -> int:
     options, tests = parser.parse_known_args()
     tests = [test for test in tests if test != "--"]
     path, source = mutated_source(options.name, options.mutants)
-    copy = tempfile.mkdtemp(prefix="neofix-mutant-")
+    copy = copy_checkout()
     try:
-        for name in COPIED:
-            (shutil.copytree if os.path.isdir(os.path.join(ROOT, name)) else shutil.copy)(
-                os.path.join(ROOT, name), os.path.join(copy, name)
-            )
         with open(os.path.join(copy, path), "w") as file:
             file.write(source)
-        env = {**os.environ, "PYTHONPATH": copy, "HYPOTHESIS_PROFILE": "dev", "OMP_NUM_THREADS": "1"}
-        env["HF_HUB_OFFLINE"] = "1"
-        command = [options.python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
-        done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
+        done = run_tests(copy, options.python, tests)
     finally:
         shutil.rmtree(copy)
-    failed = next((line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))), "")
-    verdict = {0: "SURVIVED", 1: "killed"}.get(done.returncode, f"ERROR({done.returncode})")
-    print(options.name, verdict, failed[:160], flush=True)
+    print(options.name, verdict(done.returncode).strip(), first_failure(done)[:160], flush=True)
     if done.returncode not in (0, 1):
         print(done.stdout[-2000:], done.stderr[-2000:], sep="\n")
         return 1

@@ -17,6 +17,7 @@ the logits' scale: vanilla's cached and uncached forwards agree to ~1e-6 of it, 
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 
@@ -238,8 +239,9 @@ def chunk_model(family):
 
 @st.composite
 def chunk_cases(draw):
-    """(ids, mask, past): 1 - 3 rows, a cache of 1 - 6 tokens, a chunk of 2 - 4, any 0/1 mask (holes anywhere, left
-    padding, right padding, rows of pads: vanilla decides which it runs consistently)."""
+    """(ids, mask, past, positions): 1 - 3 rows, a cache of 1 - 6 tokens, a chunk of 2 - 4, any 0/1 mask (holes
+    anywhere, left padding, right padding, rows of pads: vanilla decides which it runs consistently), and positions
+    given for every column or none (see :func:`given_positions`)."""
     batch = draw(st.integers(1, 3))
     past = draw(st.integers(1, 6))
     new = draw(st.integers(2, 4))
@@ -247,7 +249,18 @@ def chunk_cases(draw):
     rows = draw(st.lists(st.lists(st.integers(0, 1), min_size=width, max_size=width), min_size=batch, max_size=batch))
     seed = draw(st.integers(0, 2**16))
     ids = torch.randint(1, 96, (batch, width), generator=torch.Generator().manual_seed(seed))
-    return ids, torch.tensor(rows), past
+    return ids, torch.tensor(rows), past, draw(st.sampled_from([None, "columns", "mask"]))
+
+
+def given_positions(model, mask, scheme):
+    """The ``position_ids`` keyword of every forward of a case (sliced as the ids are): none (``scheme`` None, or a
+    family whose forward takes none), the columns (``arange`` over the padded width, as a loop counting its tokens
+    passes them) or the mask's (``cumsum - 1``, pads at 1, as generate builds them)."""
+    if scheme is None or "position_ids" not in inspect.signature(model.forward).parameters:
+        return {}
+    if scheme == "columns":
+        return {"position_ids": torch.arange(mask.shape[-1]).expand(mask.shape[0], -1)}
+    return {"position_ids": (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)}
 
 
 #: examples the profile's count is cut to per family (ci: 100 of 200; dev: 12; thorough: 2500): 1 - 3 s a family
@@ -259,22 +272,27 @@ EXAMPLES = max(5, settings().max_examples // 2)
 # the cached pads end the prefix's row but sit between real tokens in the whole row (a GPT-Neo pad whose window holds
 # only pads attends to them, so their positions reach its output)
 @example(case=(torch.randint(1, 90, (1, 8), generator=torch.Generator().manual_seed(0)),
-               torch.tensor([[1, 1, 0, 0, 0, 0, 0, 1]]), 5))
+               torch.tensor([[1, 1, 0, 0, 0, 0, 0, 1]]), 5, None))
+# the same given the columns: a forward without a cache re-derives positions that count the pads of a gap, as a chunk
+# after a cache does (it kept them before, so the two disagreed on a family with a position table)
+@example(case=(torch.randint(1, 90, (1, 8), generator=torch.Generator().manual_seed(0)),
+               torch.tensor([[1, 1, 0, 0, 0, 0, 0, 1]]), 5, "columns"))
 # the prefix's row is pads only, the whole row left-padded
-@example(case=(torch.tensor([[35, 5, 39, 1]]), torch.tensor([[0, 0, 0, 1]]), 2))
+@example(case=(torch.tensor([[35, 5, 39, 1]]), torch.tensor([[0, 0, 0, 1]]), 2, None))
 @given(case=chunk_cases())
 def test_a_chunk_after_a_cache_gives_what_one_forward_gives(family, chunk_model, case):
-    """For any 0/1 mask, split point and chunk of 2 or more tokens, on every family: wherever vanilla's chunk after a
-    cache agrees with its one forward without a cache (checked first; where vanilla itself disagrees, nothing is
-    assumed), neofix's does too, at every token, pads included, and it raises nothing."""
-    ids, mask, past = case
-    note(f"mask {mask.tolist()}, cache {past}, chunk {ids.shape[1] - past}")
+    """For any 0/1 mask, split point and chunk of 2 or more tokens, positions given or not, on every family: wherever
+    vanilla's chunk after a cache agrees with its one forward without a cache (checked first; where vanilla itself
+    disagrees, nothing is assumed), neofix's does too, at every token, pads included, and it raises nothing."""
+    ids, mask, past, scheme = case
+    note(f"mask {mask.tolist()}, cache {past}, chunk {ids.shape[1] - past}, positions {scheme}")
+    positions = given_positions(chunk_model, mask, scheme)
     with neofix.unpatched():
         try:
-            plain = prefix_then_chunk(chunk_model, ids, mask, past)
+            plain = prefix_then_chunk(chunk_model, ids, mask, past, **positions)
         except Exception:  # noqa: BLE001 - vanilla cannot run it: nothing to hold neofix to
             plain = None
     assume(plain is not None and not disagreement(*plain))
-    whole, chunk = prefix_then_chunk(chunk_model, ids, mask, past)
+    whole, chunk = prefix_then_chunk(chunk_model, ids, mask, past, **positions)
     pairs = disagreement(whole, chunk)
     assert not pairs, describe(mask, past, pairs, whole, chunk)

@@ -226,6 +226,40 @@ def test_counted_padding_is_named_per_row(model, lengths, rows, pronoun):
     assert [step.repairs for step in steps] == [("positions_count_padding",)]
 
 
+def test_positions_counting_the_pads_of_a_gap_are_rederived_as_after_a_cache():
+    """arange over a batch whose first row has a gap in its mask (pads between real tokens) and whose second is
+    left-padded with a gap: without a cache both rows are re-derived from the mask (warned once, naming the first row
+    and its first token after the gap), so the logits are those of the mask's positions,
+    which a chunk after a cache of the same tokens also gets; a right-padded row given its columns is left alone.
+    (float32: vanilla 4.36 - 4.44 cannot run a float64 GPT-Neo.)"""
+    model = tiny_gpt_neo(seed=0, dtype=torch.float32)
+    ids = torch.arange(1, 19).view(3, 6)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [0, 1, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    columns = torch.arange(6).expand(3, -1)
+    mask_positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        given = model(input_ids=ids, attention_mask=mask, position_ids=columns).logits
+    assert said(caught) == [
+        f"neofix: position_ids count the padding of rows 0, 1: the real token of row 0 at column 4, after a gap in its "
+        f"mask, is at position 4, but the attention mask puts it at 2 (arange over a padded batch); derived their "
+        f"positions from the mask. To fix your code: {FIX}"
+    ]
+    with torch.no_grad(), neofix.unpatched():
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=torch.where(mask == 1, mask_positions,
+                                                                                      columns)).logits
+        counted = model(input_ids=ids, attention_mask=mask, position_ids=columns).logits
+    real = mask == 1
+    assert torch.equal(given[real], expected[real])
+    assert not torch.allclose(counted[:2][real[:2]], expected[:2][real[:2]])  # the columns give other logits there
+
+
+def test_positions_counting_the_pads_of_a_gap_are_a_position_error_in_strict_mode(model, strict):
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1]])
+    with pytest.raises(neofix.PositionError, match="count the padding of row 0: the real token of row 0 at column 4"):
+        model(input_ids=torch.arange(1, 7).view(1, 6), attention_mask=mask, position_ids=torch.arange(6).view(1, 6))
+
+
 @pytest.mark.parametrize("with_mask", [True, False])
 def test_wrong_decode_position_is_described_by_where_the_truth_comes_from(model, with_mask):
     """A decode step whose positions were not incremented: the warning names the value, the cache length and the

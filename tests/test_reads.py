@@ -79,6 +79,9 @@ def questions(draw):
                   torch.tensor([[0, 0, 1, 1]]), 4, 0, None, True))  # a prompt's offset, its row counting its pads
 @example(Question(torch.ones(1, 3, dtype=torch.long), None, torch.tensor([[1, 5, 3]]), True, True,
                   torch.ones(1, 3, dtype=torch.long), 3, 0, None, True))  # off by 1, 4, 1: no one offset
+@example(Question(torch.ones(3, 4, dtype=torch.long), None, torch.tensor([0, 1, 2, 3]), True, True,
+                  torch.tensor([[1, 0, 0, 1], [0, 1, 0, 1], [1, 1, 0, 0]]), 4, 0))  # columns: a gap, a left-padded
+# row with a gap (both count their pads), a right-padded row (its columns are the mask's)
 @PROPERTY
 @given(question=questions())
 def test_the_readers_read_alike(question):
@@ -90,6 +93,16 @@ def test_the_readers_read_alike(question):
         return  # a mask of other values is refused, whatever else was read
     assert host._replace(ids=None, types=None, positions=None) == device._replace(ids=None, types=None, positions=None)
     assert host.ids is None and host.positions is None
+
+
+@pytest.mark.parametrize("read", [read_on_host, read_on_device], ids=["host", "device"])
+def test_positions_that_count_the_pads_of_a_gap_are_read_as_counting_them(read):
+    """Without a cache, a row whose real tokens sit at their columns counts its pads wherever a pad comes before a
+    real token (left padding, a gap, or both); a right-padded row, or one at the mask's positions, does not."""
+    mask = torch.tensor([[1, 0, 0, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 1, 1]])
+    positions = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 1, 2]])
+    question = Question(torch.ones(5, 4, dtype=torch.long), None, positions, True, True, mask, 4, 0)
+    assert read(question).counts_pads == (0, 1, 3)
 
 
 @PROPERTY

@@ -17,7 +17,7 @@ read nothing (see :func:`~neofix._core._values.settle`).
 from __future__ import annotations
 
 from itertools import accumulate, compress, repeat
-from operator import add, sub
+from operator import sub
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -51,7 +51,8 @@ class Facts(NamedTuple):
     real token followed by a pad that end in a pad;
     ``wrong``: after a cache, some real new token's given position differs from the mask's (no mask: from the
     positions after the cache), or, without a cache where ``scheme`` asks, some real token's; ``counts_pads``: without
-    a cache, the rows whose given positions count their left padding (``arange`` over the padded width);
+    a cache, the rows whose given positions count their padding (a pad before a real token, every real token at its
+    column: ``arange`` over the padded width);
     ``columns``: without a cache where ``scheme`` asks, every real token's given position is its column (``False``
     where not asked); ``offset``: there, where they are wrong (with ``compare``: wrong or not), the one number every
     real token's given position is off from the mask's by (the same in every row), else ``None``.
@@ -116,7 +117,9 @@ def read_on_host(question: Question) -> Facts:
             if wrong and not columns:
                 offset = _offset(rows, leading, given)
         elif past == 0:
-            counts_pads = tuple(row for row, own in enumerate(given) if rows is not None and _counts_pads(rows[row], own))
+            if rows is not None:
+                counted = map(_counts_pads, rows, leading, given)  # type: ignore[arg-type]
+                counts_pads = tuple(compress(range(len(rows)), counted))
             if scheme:  # a prompt of a family with a position table: an offset from the mask's
                 offset = _offset(rows, leading, given)
         elif rows is None:  # every token real: the new tokens continue after the cache
@@ -208,15 +211,16 @@ def _offset(rows: list[list[int]] | None, leading: list[int | None] | None, give
     return found
 
 
-def _counts_pads(row: list[int], own: list[int]) -> bool:
-    """Whether a row with left padding has its real tokens at positions that count the pads (column numbers)."""
-    if not row or row[0] or 1 not in row:
+def _counts_pads(row: list[int], pads: int | None, own: list[int]) -> bool:
+    """Whether a row with a pad before a real token (left padding, or a gap) has every real token at its column:
+    positions that count the pads (``arange`` over the padded width).  ``pads``: as :func:`_wrong`'s."""
+    if pads == 0:  # real tokens from the first column, none after a pad: their columns are the mask's positions
         return False
-    leading = row.index(1)
-    if own[leading] != leading:  # (the first real token tells most rows at once)
+    if pads is not None and own[pads] != pads:  # (a left-padded row: its first real token tells at once)
         return False
-    columns = list(map(add, accumulate(row), repeat(leading - 1)))  # a real token's count - 1 + the pads
-    return list(compress(own, row)) == list(compress(columns, row))
+    columns = list(compress(_numbers(0, len(row)), row))  # the real tokens' columns
+    # (a pad comes before a real token where the last real token's column is past the count of real tokens before it)
+    return bool(columns) and columns[-1] != len(columns) - 1 and list(compress(own, row)) == columns
 
 
 # -- on the device -------------------------------------------------------------------------------------------------
@@ -311,8 +315,10 @@ def new_columns(tensor: torch.Tensor, new: int, past: int | None, slots: Any) ->
 
 
 def counts_padding(positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per row, without a cache: whether the row is left-padded and its real tokens' positions count the pads."""
-    cumsum = mask.long().cumsum(-1)
+    """Per row, without a cache: whether a pad comes before a real token (left padding, or a gap) and every real
+    token's position is its column (see :func:`_counts_pads`)."""
     real = mask != 0
-    leading = (cumsum == 0).sum(-1, keepdim=True)
-    return ((positions == cumsum - 1 + leading) | ~real).all(-1) & (leading[:, 0] > 0) & real.any(-1)
+    columns = torch.arange(mask.shape[-1], device=mask.device)
+    last = torch.where(real, columns, -1).amax(-1)  # the last real token's column (-1: none)
+    at_columns = ((positions == columns) | ~real).all(-1)
+    return at_columns & (last >= 0) & (last != real.sum(-1) - 1)

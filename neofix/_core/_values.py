@@ -577,13 +577,20 @@ def _repair_counted_padding(
 ) -> torch.Tensor:
     real = mask != 0
     row = rows[0]
-    first = int(real[row].long().argmax())
-    given = int(torch.broadcast_to(positions, mask.shape)[row, first])
+    column, count = _first_past_a_pad(real[row].tolist())
     named = f"row {row}" if len(rows) == 1 else f"rows {', '.join(map(str, rows))}"
-    described = (
-        f"position_ids count the left padding of {named}: the first real token of row {row} is at position {given}, "
-        f"but the attention mask puts it at 0 (arange over a left-padded batch: the classic batched-generation bug)"
-    )
+    if not count:  # left padding
+        described = (
+            f"position_ids count the left padding of {named}: the first real token of row {row} is at position "
+            f"{column}, but the attention mask puts it at 0 (arange over a left-padded batch: the classic "
+            f"batched-generation bug)"
+        )
+    else:  # a gap: pads between real tokens
+        described = (
+            f"position_ids count the padding of {named}: the real token of row {row} at column {column}, after a gap "
+            f"in its mask, is at position {column}, but the attention mask puts it at {count} (arange over a padded "
+            f"batch)"
+        )
     if strict:
         raise PositionError(f"{described}; {_FIX_VALUES}")
     repairs.append(
@@ -596,6 +603,17 @@ def _repair_counted_padding(
     bad_rows = torch.zeros(mask.shape[0], 1, dtype=torch.bool, device=mask.device)
     bad_rows[list(rows)] = True
     return torch.where(bad_rows & real, derive_positions(mask, mask.shape[-1]), positions)
+
+
+def _first_past_a_pad(real: list[bool]) -> tuple[int, int]:
+    """``(column, real tokens before it)`` of a row's first real token that comes after a pad (the row's last column
+    where none does)."""
+    count = 0
+    for column, is_real in enumerate(real):
+        if is_real and column != count:
+            break
+        count += is_real
+    return column, count
 
 
 def _raise_mask_value_error(mask: torch.Tensor) -> None:

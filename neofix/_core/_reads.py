@@ -319,6 +319,6 @@ def counts_padding(positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     token's position is its column (see :func:`_counts_pads`)."""
     real = mask != 0
     columns = torch.arange(mask.shape[-1], device=mask.device)
-    last = torch.where(real, columns, -1).amax(-1)  # the last real token's column (-1: none)
+    last = torch.where(real, columns, -1).amax(-1)  # the last real token's column (-1: none, as a count of 0 gives)
     at_columns = ((positions == columns) | ~real).all(-1)
-    return at_columns & (last >= 0) & (last != real.sum(-1) - 1)
+    return at_columns & (last != real.sum(-1) - 1)

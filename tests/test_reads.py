@@ -98,11 +98,13 @@ def test_the_readers_read_alike(question):
 @pytest.mark.parametrize("read", [read_on_host, read_on_device], ids=["host", "device"])
 def test_positions_that_count_the_pads_of_a_gap_are_read_as_counting_them(read):
     """Without a cache, a row whose real tokens sit at their columns counts its pads wherever a pad comes before a
-    real token (left padding, a gap, or both); a right-padded row, or one at the mask's positions, does not."""
-    mask = torch.tensor([[1, 0, 0, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 1, 1]])
-    positions = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 1, 2]])
-    question = Question(torch.ones(5, 4, dtype=torch.long), None, positions, True, True, mask, 4, 0)
-    assert read(question).counts_pads == (0, 1, 3)
+    real token (left padding, a gap, or both), and so does a left-padded row whose real tokens sit at the mask's
+    positions plus its leading pads (with a gap, not its columns); a right-padded row, or one at the mask's positions,
+    does not."""
+    mask = torch.tensor([[1, 0, 0, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 1, 1], [0, 1, 0, 1]])
+    positions = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 1, 2], [0, 1, 0, 2]])
+    question = Question(torch.ones(6, 4, dtype=torch.long), None, positions, True, True, mask, 4, 0)
+    assert read(question).counts_pads == (0, 1, 3, 5)
 
 
 @PROPERTY

@@ -212,15 +212,21 @@ def _offset(rows: list[list[int]] | None, leading: list[int | None] | None, give
 
 
 def _counts_pads(row: list[int], pads: int | None, own: list[int]) -> bool:
-    """Whether a row with a pad before a real token (left padding, or a gap) has every real token at its column:
-    positions that count the pads (``arange`` over the padded width).  ``pads``: as :func:`_wrong`'s."""
+    """Whether a row with a pad before a real token (left padding, or a gap) has positions that count its pads: every
+    real token at its column (``arange`` over the padded width), or, on a left-padded row, every one at the mask's
+    position plus the leading pads (the two agree up to a row's first gap: a prefix cut before it is read alike).
+    ``pads``: as :func:`_wrong`'s."""
     if pads == 0:  # real tokens from the first column, none after a pad: their columns are the mask's positions
         return False
     if pads is not None and own[pads] != pads:  # (a left-padded row: its first real token tells at once)
         return False
     columns = list(compress(_numbers(0, len(row)), row))  # the real tokens' columns
     # (a pad comes before a real token where the last real token's column is past the count of real tokens before it)
-    return bool(columns) and columns[-1] != len(columns) - 1 and list(compress(own, row)) == columns
+    if not columns or columns[-1] == len(columns) - 1:
+        return False
+    real = list(compress(own, row))
+    leading = columns[0]
+    return real == columns or (leading > 0 and real == _numbers(leading, leading + len(real)))
 
 
 # -- on the device -------------------------------------------------------------------------------------------------
@@ -315,10 +321,13 @@ def new_columns(tensor: torch.Tensor, new: int, past: int | None, slots: Any) ->
 
 
 def counts_padding(positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per row, without a cache: whether a pad comes before a real token (left padding, or a gap) and every real
-    token's position is its column (see :func:`_counts_pads`)."""
+    """Per row, without a cache: whether a pad comes before a real token (left padding, or a gap) and the real tokens'
+    positions count the pads (see :func:`_counts_pads`)."""
     real = mask != 0
+    counted = real.long().cumsum(-1)
     columns = torch.arange(mask.shape[-1], device=mask.device)
     last = torch.where(real, columns, -1).amax(-1)  # the last real token's column (-1: none, as a count of 0 gives)
+    leading = (counted == 0).sum(-1, keepdim=True)
     at_columns = ((positions == columns) | ~real).all(-1)
-    return at_columns & (last != real.sum(-1) - 1)
+    shifted = ((positions == counted - 1 + leading) | ~real).all(-1) & (leading[:, 0] > 0)
+    return (at_columns | shifted) & (last != counted[:, -1] - 1)

@@ -51,8 +51,9 @@ class Facts(NamedTuple):
     real token followed by a pad that end in a pad;
     ``wrong``: after a cache, some real new token's given position differs from the mask's (no mask: from the
     positions after the cache), or, without a cache where ``scheme`` asks, some real token's; ``counts_pads``: without
-    a cache, the rows whose given positions count their padding (a pad before a real token, every real token at its
-    column: ``arange`` over the padded width);
+    a cache, the rows whose given positions count their padding (a pad before a real token, and every real token at
+    its column, ``arange`` over the padded width, or at the mask's position plus the leading pads: see
+    :func:`_counts_pads`);
     ``columns``: without a cache where ``scheme`` asks, every real token's given position is its column (``False``
     where not asked); ``offset``: there, where they are wrong (with ``compare``: wrong or not), the one number every
     real token's given position is off from the mask's by (the same in every row), else ``None``.

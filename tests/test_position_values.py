@@ -229,8 +229,8 @@ def test_counted_padding_is_named_per_row(model, lengths, rows, pronoun):
 def test_positions_counting_the_pads_of_a_gap_are_rederived_as_after_a_cache():
     """arange over a batch whose first row has a gap in its mask (pads between real tokens) and whose second is
     left-padded with a gap: without a cache both rows are re-derived from the mask (warned once, naming the first row
-    and its first token after the gap), so the logits are those of the mask's positions,
-    which a chunk after a cache of the same tokens also gets; a right-padded row given its columns is left alone.
+    and its first token after the gap), so the logits are those of the mask's positions, which a chunk after a cache
+    of the same tokens, given the same positions, also gets; a right-padded row given its columns is left alone.
     (float32: vanilla 4.36 - 4.44 cannot run a float64 GPT-Neo.)"""
     model = tiny_gpt_neo(seed=0, dtype=torch.float32)
     ids = torch.arange(1, 19).view(3, 6)
@@ -252,6 +252,12 @@ def test_positions_counting_the_pads_of_a_gap_are_rederived_as_after_a_cache():
     real = mask == 1
     assert torch.equal(given[real], expected[real])
     assert not torch.allclose(counted[:2][real[:2]], expected[:2][real[:2]])  # the columns give other logits there
+    with warnings.catch_warnings(), torch.no_grad():  # a chunk of the last three tokens after a cache of the first three
+        warnings.simplefilter("ignore")
+        cache = output_cache(model(input_ids=ids[:, :3], attention_mask=mask[:, :3], position_ids=columns[:, :3]))
+        chunk = model(input_ids=ids[:, 3:], attention_mask=mask, position_ids=columns[:, 3:],
+                      **{cache_keyword(): cache}).logits
+    torch.testing.assert_close(chunk[real[:, 3:]], given[:, 3:][real[:, 3:]], rtol=1e-4, atol=1e-4)
 
 
 def test_positions_counting_the_pads_of_a_gap_are_a_position_error_in_strict_mode(model, strict):

@@ -221,13 +221,15 @@ def _counts_pads(row: list[int], pads: int | None, own: list[int]) -> bool:
         return False
     if pads is not None and own[pads] != pads:  # (a left-padded row: its first real token tells at once)
         return False
-    columns = list(compress(_numbers(0, len(row)), row))  # the real tokens' columns
+    every = _numbers(0, len(row))
+    columns = list(compress(every, row))  # the real tokens' columns
     # (a pad comes before a real token where the last real token's column is past the count of real tokens before it)
     if not columns or columns[-1] == len(columns) - 1:
         return False
-    real = list(compress(own, row))
+    if _at_columns(row, own, every):
+        return True
     leading = columns[0]
-    return real == columns or (leading > 0 and real == _numbers(leading, leading + len(real)))
+    return leading > 0 and list(compress(own, row)) == _numbers(leading, leading + len(columns))
 
 
 # -- on the device -------------------------------------------------------------------------------------------------

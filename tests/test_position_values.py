@@ -260,6 +260,21 @@ def test_positions_counting_the_pads_of_a_gap_are_rederived_as_after_a_cache():
     torch.testing.assert_close(chunk[real[:, 3:]], given[:, 3:][real[:, 3:]], rtol=1e-4, atol=1e-4)
 
 
+def test_counted_padding_of_a_left_padded_row_and_a_gap_row_is_not_called_left_padding(model):
+    """arange over a batch whose first counted row is left-padded and whose second has a gap: the warning names both
+    rows and the first one's token, and calls what they count padding, not left padding (which the gap row has
+    none of)."""
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 0, 0, 1, 1]])
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(input_ids=torch.arange(1, 13).view(2, 6), attention_mask=mask, position_ids=torch.arange(6).expand(2, -1))
+    assert said(caught) == [
+        f"neofix: position_ids count the padding of rows 0, 1: the first real token of row 0 is at position 2, but the "
+        f"attention mask puts it at 0 (arange over a padded batch); derived their positions from the mask. To fix "
+        f"your code: {FIX}"
+    ]
+
+
 def test_positions_counting_the_pads_of_a_gap_are_a_position_error_in_strict_mode(model, strict):
     mask = torch.tensor([[1, 1, 0, 0, 1, 1]])
     with pytest.raises(neofix.PositionError, match="count the padding of row 0: the real token of row 0 at column 4"):

@@ -576,21 +576,21 @@ def _repair_counted_padding(
     positions: torch.Tensor, mask: torch.Tensor, rows: tuple[int, ...], strict: bool, repairs: list[Repair]
 ) -> torch.Tensor:
     real = mask != 0
-    row = rows[0]
-    column, count = _first_past_a_pad(real[row].tolist())
+    firsts = [_first_past_a_pad(real[row].tolist()) for row in rows]
+    row, (column, count) = rows[0], firsts[0]
     named = f"row {row}" if len(rows) == 1 else f"rows {', '.join(map(str, rows))}"
-    if not count:  # left padding
-        described = (
-            f"position_ids count the left padding of {named}: the first real token of row {row} is at position "
-            f"{column}, but the attention mask puts it at 0 (arange over a left-padded batch: the classic "
-            f"batched-generation bug)"
-        )
+    if not any(before for _, before in firsts):  # each named row goes wrong at its first real token: left padding
+        padding, batch = "left padding", "a left-padded batch: the classic batched-generation bug"
+    else:
+        padding, batch = "padding", "a padded batch"
+    if not count:  # the first named row is left-padded
+        token = f"the first real token of row {row} is at position {column}, but the attention mask puts it at 0"
     else:  # a gap: pads between real tokens
-        described = (
-            f"position_ids count the padding of {named}: the real token of row {row} at column {column}, after a gap "
-            f"in its mask, is at position {column}, but the attention mask puts it at {count} (arange over a padded "
-            f"batch)"
+        token = (
+            f"the real token of row {row} at column {column}, after a gap in its mask, is at position {column}, but "
+            f"the attention mask puts it at {count}"
         )
+    described = f"position_ids count the {padding} of {named}: {token} (arange over {batch})"
     if strict:
         raise PositionError(f"{described}; {_FIX_VALUES}")
     repairs.append(

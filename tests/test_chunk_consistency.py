@@ -33,7 +33,7 @@ from neofix.testing import FAMILY_CONFIGS, tiny_gpt_neo, tiny_model
 from ._versions import TF, TF_RELEASE, cache_keyword, has, output_cache
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import assume, example, given, note, seed, settings  # noqa: E402
+from hypothesis import assume, example, given, note, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 #: relative tolerance: a difference above RELATIVE x max(1, |uncached logits|) is a disagreement
@@ -276,7 +276,7 @@ def per_release(test):
     """Where the profile is derandomized (ci, dev), the examples are drawn from a seed of the installed release's
     version: the same on every run of one release, other masks on each release, so that the matrix together tries
     more of them than one release does.  A random profile (thorough) stays random."""
-    return seed(zlib.crc32(str(TF).encode()))(test) if settings().derandomize else test
+    return hypothesis.seed(zlib.crc32(str(TF).encode()))(test) if settings().derandomize else test
 
 
 @pytest.mark.parametrize("family", _families())

@@ -578,16 +578,17 @@ def _repair_counted_padding(
     real = mask != 0
     firsts = [_first_past_a_pad(real[row].tolist()) for row in rows]
     row, (column, count) = rows[0], firsts[0]
+    given = int(torch.broadcast_to(positions, mask.shape)[row, column])
     named = f"row {row}" if len(rows) == 1 else f"rows {', '.join(map(str, rows))}"
     if not any(before for _, before in firsts):  # each named row goes wrong at its first real token: left padding
         padding, batch = "left padding", "a left-padded batch: the classic batched-generation bug"
     else:
         padding, batch = "padding", "a padded batch"
     if not count:  # the first named row is left-padded
-        token = f"the first real token of row {row} is at position {column}, but the attention mask puts it at 0"
+        token = f"the first real token of row {row} is at position {given}, but the attention mask puts it at 0"
     else:  # a gap: pads between real tokens
         token = (
-            f"the real token of row {row} at column {column}, after a gap in its mask, is at position {column}, but "
+            f"the real token of row {row} at column {column}, after a gap in its mask, is at position {given}, but "
             f"the attention mask puts it at {count}"
         )
     described = f"position_ids count the {padding} of {named}: {token} (arange over {batch})"
